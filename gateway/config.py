@@ -1,0 +1,366 @@
+"""Typed experiment configs, loaded from one YAML file per experiment.
+
+An experiment config has one top-level block per part of the system (``env``,
+``policy``, ``gateway``, ``run``, and the blocks the inference, replay, trainer and
+console parts register in :data:`gateway.registry.CONFIG_BLOCKS`). Each block is a
+frozen, keyword-only dataclass validated in ``__post_init__``; every error names the
+field and the bad value::
+
+    cfg = load_config("configs/reach_sim.yaml", overrides=["env.num_envs=8"])
+    cfg.env.num_envs          # 8
+    cfg.to_dict()             # the resolved config, written into the run folder
+
+A sim config and its real twin differ only in their ``env:`` block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from gateway.protocol.codec import Limits
+from gateway.registry import BACKENDS, CONFIG_BLOCKS, POLICIES, resolve
+
+
+class ConfigError(ValueError):
+    """An invalid config; the message names the field (``block.key``) and the value."""
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    """Which environments the env workers host."""
+
+    backend: str = "mujoco_reach"
+    """Episode backend name (see ``gateway.registry.BACKENDS``)."""
+    workers: int = 1
+    """Number of env worker processes."""
+    num_envs: int = 1
+    """Envs hosted by each worker (the batch dimension of its messages)."""
+    seed: int = 0
+    """Base seed; worker ``w`` seeds env ``i`` with ``seed + 1000 * w + i``."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Backend-specific options, validated by the backend's own ``Config``."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(
+                f"env.backend: unknown backend {self.backend!r}; known: {', '.join(sorted(BACKENDS))}"
+            )
+        if self.workers < 1:
+            raise ConfigError(f"env.workers must be >= 1, got {self.workers}")
+        if self.num_envs < 1:
+            raise ConfigError(f"env.num_envs must be >= 1, got {self.num_envs}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+    """Where actions come from."""
+
+    kind: str = "random"
+    """``random``, ``zero``, ``reach_pd`` (in-process scripted), ``inference`` (inference servers) or ``external`` (a ``gateway.client`` drives the envs)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Options of a scripted policy (e.g. ``gain`` of ``reach_pd``)."""
+    seed: int = 0
+    """Seed of stochastic scripted policies."""
+
+    def __post_init__(self) -> None:
+        allowed = {*POLICIES, "inference", "external"}
+        if self.kind not in allowed:
+            raise ConfigError(
+                f"policy.kind: unknown policy {self.kind!r}; known: {', '.join(sorted(allowed))}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig:
+    """The gateway process: sockets, recording, liveness."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; anything but loopback requires ``curve_keys``."""
+    transport: Literal["tcp", "ipc"] = "tcp"
+    """``tcp`` (host:port) or ``ipc`` (unix sockets under the run folder, one machine only)."""
+    worker_port: int = 0
+    """Port env workers connect to; 0 picks a free one."""
+    client_port: int = 0
+    """Port ``gateway.client`` envs connect to; 0 picks a free one."""
+    control_port: int = 0
+    """Port for status and commands (CLI, console); 0 picks a free one."""
+    curve_keys: str | None = None
+    """Folder made by ``loopgate keys``; enables CURVE authentication on every socket."""
+    chunk_steps: int = 64
+    """Steps per trajectory chunk handed to the sink (episode ends flush early)."""
+    heartbeat_s: float = 1.0
+    """Interval of heartbeats between idle peers."""
+    worker_timeout_s: float = 5.0
+    """Silence after which a worker is declared gone and its episodes interrupted."""
+    spool_fsync: Literal["never", "interval", "always"] = "interval"
+    """When the spool calls fsync: a killed process never loses written steps; fsync protects against power loss."""
+    spool_fsync_interval_s: float = 1.0
+    """fsync period with ``spool_fsync: interval``."""
+    limits: Limits = field(default_factory=Limits)
+    """Size limits for incoming messages."""
+
+    def __post_init__(self) -> None:
+        for name in ("worker_port", "client_port", "control_port"):
+            port = getattr(self, name)
+            if not 0 <= port < 65536:
+                raise ConfigError(f"gateway.{name} must be in 0..65535, got {port}")
+        if self.chunk_steps < 1:
+            raise ConfigError(f"gateway.chunk_steps must be >= 1, got {self.chunk_steps}")
+        if self.heartbeat_s <= 0:
+            raise ConfigError(f"gateway.heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if self.worker_timeout_s <= self.heartbeat_s:
+            raise ConfigError(
+                f"gateway.worker_timeout_s ({self.worker_timeout_s}) must be larger than gateway.heartbeat_s ({self.heartbeat_s})"
+            )
+        if self.transport == "tcp" and not _is_loopback(self.host) and not self.curve_keys:
+            raise ConfigError(
+                f"gateway.host {self.host!r} is not loopback: set gateway.curve_keys (make keys with `loopgate keys DIR`)"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The run as a whole: budget, run folder, supervision."""
+
+    max_env_steps: int | None = None
+    """Stop after this many recorded env steps (``None``: run until Ctrl-C or the trainer finishes)."""
+    run_dir: str | None = None
+    """Run folder; default ``runs/<config name>-<timestamp>``."""
+    log_level: str = "INFO"
+    """Log level of every process."""
+    status_interval_s: float = 0.5
+    """Refresh period of the live status table and of ``metrics.jsonl``."""
+    max_restarts: int = 5
+    """Restarts of one crashed process before ``loopgate up`` gives up."""
+    drain_timeout_s: float = 30.0
+    """Time given to services to flush on shutdown before they are killed."""
+
+    def __post_init__(self) -> None:
+        if self.max_env_steps is not None and self.max_env_steps < 1:
+            raise ConfigError(f"run.max_env_steps must be >= 1, got {self.max_env_steps}")
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ConfigError(f"run.log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.status_interval_s <= 0:
+            raise ConfigError(f"run.status_interval_s must be > 0, got {self.status_interval_s}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"run.max_restarts must be >= 0, got {self.max_restarts}")
+
+
+def _is_loopback(host: str) -> bool:
+    return host in {"127.0.0.1", "localhost", "::1"} or host.startswith("127.")
+
+
+# ------------------------------------------------------------------------ experiment
+
+
+class ExperimentConfig:
+    """All blocks of one experiment; ``cfg.<block>`` is the block's dataclass."""
+
+    def __init__(self, blocks: Mapping[str, Any], name: str = "experiment") -> None:
+        self._blocks = dict(blocks)
+        self.name = name
+
+    def __getattr__(self, block: str) -> Any:
+        try:
+            return self.__dict__["_blocks"][block]
+        except KeyError:
+            raise AttributeError(f"config has no block {block!r}") from None
+
+    def has(self, block: str) -> bool:
+        return block in self._blocks
+
+    @property
+    def blocks(self) -> dict[str, Any]:
+        return dict(self._blocks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: to_plain(block) for name, block in self._blocks.items()}
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump({"name": self.name, **self.to_dict()}, sort_keys=False))
+
+
+def to_plain(value: Any) -> Any:
+    """Dataclasses, tuples and mappings as plain YAML/JSON-able values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def coerce(tp: Any, value: Any, where: str) -> Any:
+    """Check (and gently convert) ``value`` against annotation ``tp``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(arg, value, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(
+            errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {_type_name(tp)}"
+        )
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where} must be one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return build(tp, value, where)
+    if origin in (dict, Mapping) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        vt = args[1] if len(args) == 2 else Any
+        return {str(k): coerce(vt, v, f"{where}.{k}") for k, v in value.items()}
+    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(f"{where} must have {len(args)} elements, got {len(value)}")
+            return tuple(coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        et = args[0] if args else Any
+        items = [coerce(et, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple or tp is tuple else items
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{where}: cannot check a value of type {_type_name(tp)} (got {value!r})")
+
+
+def build(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    """Build dataclass ``cls`` from ``data``; unknown keys and bad values name the field."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+    kwargs = {name: coerce(hints[name], value, f"{where}.{name}") for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"block.key.sub=value"`` -> (path, YAML-parsed value)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: expected block.key=value")
+    path = key.strip().split(".")
+    if len(path) < 2 or not all(path):
+        raise ConfigError(f"--set {text!r}: the key must name a block and a field, e.g. env.num_envs=4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML: {exc}") from exc
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {text!r}: {part!r} is not a block or mapping")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def from_dict(
+    data: Mapping[str, Any], overrides: Sequence[str] = (), name: str | None = None
+) -> ExperimentConfig:
+    """Validate a config mapping (as read from YAML) into an :class:`ExperimentConfig`."""
+    raw = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
+    exp_name = str(raw.pop("name", name or "experiment"))
+    raw = apply_overrides(raw, overrides)
+    unknown = sorted(set(raw) - set(CONFIG_BLOCKS))
+    if unknown:
+        raise ConfigError(
+            f"unknown config block(s) {', '.join(unknown)}; known: {', '.join(sorted(CONFIG_BLOCKS))}"
+        )
+    blocks: dict[str, Any] = {}
+    for block in CONFIG_BLOCKS:
+        value = raw.get(block)
+        if value is None:
+            value = {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{block}: must be a mapping of keys, got {value!r}")
+        cls = resolve(CONFIG_BLOCKS, block, "config block")
+        blocks[block] = build(cls, value, block)
+    cfg = ExperimentConfig(blocks, name=exp_name)
+    check_backend_options(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Read, override and validate the YAML experiment config at ``path``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: the top level must be a mapping of blocks")
+    return from_dict(data, overrides, name=path.stem)
+
+
+def check_backend_options(cfg: ExperimentConfig) -> None:
+    """Validate ``env.options`` with the backend's own ``Config`` dataclass."""
+    backend_cls = resolve(BACKENDS, cfg.env.backend, "backend")
+    options_cls = getattr(backend_cls, "Config", None)
+    if options_cls is not None:
+        build(options_cls, cfg.env.options, "env.options")

@@ -1,0 +1,104 @@
+"""Policies the gateway can run in-process, and the interface they share.
+
+A policy maps a batch of observations to a batch of actions and says which weights
+produced them (``version``; scripted policies are version 0)::
+
+    policy = make_policy("reach_pd", spec, seed=0)
+    action = policy.act(obs)            # (num_envs, *spec.action.shape), spec.action.dtype
+
+Scripted policies let collection run before any learned policy exists and collect
+baseline demonstrations. Task-specific ones live beside their task
+(``sim_bridges.reach:ReachPDPolicy``); the registry is ``gateway.registry.POLICIES``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from gateway.episode import EnvSpec, Obs
+
+
+class Policy(abc.ABC):
+    """Batch of observations -> batch of actions."""
+
+    Config: ClassVar[type | None] = None
+    """Frozen dataclass validating the policy's options (``policy.options``)."""
+    version: int = 0
+    """Version of the weights behind the actions; scripted policies are 0."""
+    deterministic: bool = True
+    """Whether actions depend only on observations."""
+
+    def __init__(self, spec: EnvSpec, config: Any = None, *, seed: int = 0) -> None:
+        self.spec = spec
+        self.config = config
+        self.seed = seed
+
+    @abc.abstractmethod
+    def act(self, obs: Obs) -> np.ndarray:
+        """Actions for a batch of observations (leading env dimension)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RandomPolicyConfig:
+    """Options of the random policy."""
+
+    scale: float = 1.0
+    """Fraction of the action range to sample from, centred on its middle."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.scale <= 1:
+            raise ValueError(f"policy.options.scale must be in (0, 1], got {self.scale}")
+
+
+class RandomPolicy(Policy):
+    """Uniform actions within the spec's bounds (integers for discrete actions)."""
+
+    Config = RandomPolicyConfig
+    deterministic = False
+
+    def __init__(self, spec: EnvSpec, config: RandomPolicyConfig | None = None, *, seed: int = 0) -> None:
+        super().__init__(spec, config or RandomPolicyConfig(), seed=seed)
+        self._rng = np.random.default_rng(seed)
+        low, high = (
+            spec.action.low_array.astype(np.float64),
+            spec.action.high_array.astype(np.float64),
+        )
+        mid, half = (low + high) / 2, (high - low) / 2 * self.config.scale
+        self._low, self._high = mid - half, mid + half
+
+    def act(self, obs: Obs) -> np.ndarray:
+        n = len(next(iter(obs.values())))
+        shape = (n, *self.spec.action.shape)
+        if self.spec.action.discrete:
+            sample = self._rng.integers(
+                self._low.astype(np.int64), self._high.astype(np.int64) + 1, size=shape
+            )
+        else:
+            sample = self._rng.uniform(self._low, self._high, size=shape)
+        return sample.astype(self.spec.action.dtype)
+
+
+class ZeroPolicy(Policy):
+    """The middle of the action range: holds a position-controlled robot still."""
+
+    def act(self, obs: Obs) -> np.ndarray:
+        n = len(next(iter(obs.values())))
+        mid = (self.spec.action.low_array.astype(np.float64) + self.spec.action.high_array) / 2
+        return np.broadcast_to(mid.astype(self.spec.action.dtype), (n, *self.spec.action.shape)).copy()
+
+
+def make_policy(kind: str, spec: EnvSpec, options: dict[str, Any] | None = None, *, seed: int = 0) -> Policy:
+    """Build the in-process policy registered as ``kind`` with validated options."""
+    from gateway.config import build
+    from gateway.registry import POLICIES, resolve
+
+    cls = resolve(POLICIES, kind, "policy")
+    if cls.Config is None:
+        if options:
+            raise ValueError(f"policy.options: policy {kind!r} takes no options, got {sorted(options)}")
+        return cls(spec, seed=seed)
+    return cls(spec, build(cls.Config, options or {}, "policy.options"), seed=seed)

@@ -1,0 +1,248 @@
+"""The codec: :class:`Message` <-> multipart ZeroMQ frames, without copies.
+
+Frame 0 is a msgpack map::
+
+    {"v": PROTOCOL_VERSION, "t": <MsgType>, "s": <seq>, "m": {<meta>},
+     "a": [[<key>, <dtype name>, [<dim>, ...]], ...]}
+
+and frame ``i + 1`` holds the raw bytes of array ``i`` in C order. Arrays are sent
+from their own memory (``copy=False``) and received as read-only views of the frame
+buffers (``np.frombuffer``); nothing is pickled and object dtypes cannot be expressed.
+
+Decoding checks everything a peer controls and raises :class:`ProtocolError` naming
+the problem; it never raises anything else for any input (property-tested)::
+
+    frames = encode(Message(MsgType.OBSERVATION, seq=7, arrays={"obs/q": q}))
+    sock.send_multipart(frames, copy=False)
+    msg = decode(sock.recv_multipart(copy=False), Limits())
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from gateway.protocol.errors import ErrorCode, ProtocolError
+from gateway.protocol.messages import PROTOCOL_VERSION, Message, MsgType
+
+ALLOWED_DTYPES: frozenset[str] = frozenset(
+    {
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    }
+)
+"""Dtype names that may travel. Everything else (object, strings, structured,
+big-endian, datetimes) is refused on both sides."""
+
+MAX_NDIM = 8
+_MSG_TYPES = {int(t): t for t in MsgType}
+_DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Size limits a receiver enforces before it touches array data."""
+
+    max_frames: int = 1024
+    """Most frames in one message (header included)."""
+    max_header_bytes: int = 1 << 20
+    """Largest msgpack header frame."""
+    max_frame_bytes: int = 256 << 20
+    """Largest single array frame."""
+    max_message_bytes: int = 1 << 30
+    """Largest message, all frames together."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_frames", "max_header_bytes", "max_frame_bytes", "max_message_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"limits.{name} must be a positive integer, got {value!r}")
+        if self.max_frames < 1:
+            raise ValueError(f"limits.max_frames must be >= 1, got {self.max_frames}")
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _array_frame(key: str, value: Any) -> tuple[list[Any], Any]:
+    arr = np.asarray(value)
+    name = arr.dtype.name
+    if name not in ALLOWED_DTYPES or arr.dtype.byteorder == ">":
+        raise ProtocolError(ErrorCode.BAD_DTYPE, f"array {key!r} has dtype {arr.dtype} which cannot be sent")
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    shape = list(arr.shape)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    # A bool or 0-size array exports a buffer zmq accepts only as bytes-like uint8.
+    data = arr.view(np.uint8) if arr.size else b""
+    return [key, name, shape], data
+
+
+def encode(msg: Message) -> list[Any]:
+    """Frames for ``msg``: the header, then one buffer per array (not copied)."""
+    descr: list[list[Any]] = []
+    frames: list[Any] = [b""]
+    for key, value in msg.arrays.items():
+        entry, data = _array_frame(key, value)
+        descr.append(entry)
+        frames.append(data)
+    header = {"v": PROTOCOL_VERSION, "t": int(msg.type), "s": msg.seq, "m": msg.meta, "a": descr}
+    try:
+        frames[0] = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(ErrorCode.BAD_HEADER, f"metadata cannot be encoded: {exc}") from exc
+    return frames
+
+
+def _frame_buffer(frame: Any) -> memoryview:
+    if isinstance(frame, zmq.Frame):
+        return frame.buffer
+    return memoryview(frame)
+
+
+def _check_shape(key: str, shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise ProtocolError(
+            ErrorCode.BAD_SHAPE, f"array {key!r}: shape must be a list of at most {MAX_NDIM} dims"
+        )
+    dims: list[int] = []
+    for dim in shape:
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+            raise ProtocolError(
+                ErrorCode.BAD_SHAPE, f"array {key!r}: bad dimension {dim!r} in shape {shape!r}"
+            )
+        dims.append(dim)
+    return tuple(dims)
+
+
+def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Parse and validate frames into a :class:`Message`; raise :class:`ProtocolError`."""
+    if not frames:
+        raise ProtocolError(ErrorCode.TRUNCATED, "empty message: no header frame")
+    if len(frames) > limits.max_frames:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE, f"{len(frames)} frames is over the limit of {limits.max_frames}"
+        )
+    head = _frame_buffer(frames[0])
+    if head.nbytes > limits.max_header_bytes:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"header of {head.nbytes} bytes is over the limit of {limits.max_header_bytes}",
+        )
+    try:
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises many unrelated types on garbage
+        raise ProtocolError(
+            ErrorCode.BAD_HEADER, f"header frame is not msgpack: {type(exc).__name__}"
+        ) from None
+    if not isinstance(header, dict):
+        raise ProtocolError(ErrorCode.BAD_HEADER, f"header must be a map, got {type(header).__name__}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.BAD_VERSION,
+            f"protocol version {version!r} is not supported (this peer speaks {PROTOCOL_VERSION})",
+        )
+    type_code = header.get("t")
+    msg_type = _MSG_TYPES.get(type_code) if isinstance(type_code, int) else None
+    if msg_type is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {type_code!r}")
+    seq = header.get("s", 0)
+    if not isinstance(seq, int) or isinstance(seq, bool):
+        raise ProtocolError(ErrorCode.BAD_HEADER, f"sequence number must be an integer, got {seq!r}")
+    meta = header.get("m", {})
+    if not isinstance(meta, dict):
+        raise ProtocolError(ErrorCode.BAD_HEADER, f"meta must be a map, got {type(meta).__name__}")
+    descr = header.get("a", [])
+    if not isinstance(descr, list):
+        raise ProtocolError(ErrorCode.BAD_HEADER, "array table 'a' must be a list")
+    if len(descr) != len(frames) - 1:
+        raise ProtocolError(
+            ErrorCode.TRUNCATED,
+            f"header announces {len(descr)} arrays but {len(frames) - 1} frames follow it",
+        )
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    total = head.nbytes
+    for entry, frame in zip(descr, frames[1:]):
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+            raise ProtocolError(ErrorCode.BAD_HEADER, f"array entry {entry!r} must be [key, dtype, shape]")
+        key, dtype_name, shape_raw = entry
+        if key in arrays:
+            raise ProtocolError(ErrorCode.BAD_HEADER, f"array key {key!r} appears twice")
+        dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dtype is None:
+            raise ProtocolError(ErrorCode.BAD_DTYPE, f"array {key!r}: dtype {dtype_name!r} is not allowed")
+        shape = _check_shape(key, shape_raw)
+        expected = math.prod(shape) * dtype.itemsize
+        if expected > limits.max_frame_bytes:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"array {key!r} of shape {list(shape)} needs {expected} bytes, over the frame limit of "
+                f"{limits.max_frame_bytes}",
+            )
+        buf = _frame_buffer(frame)
+        if buf.nbytes > limits.max_frame_bytes:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"frame for array {key!r} has {buf.nbytes} bytes, over the limit of {limits.max_frame_bytes}",
+            )
+        if buf.nbytes != expected:
+            raise ProtocolError(
+                ErrorCode.LENGTH_MISMATCH,
+                f"array {key!r}: frame has {buf.nbytes} bytes but {dtype_name}{list(shape)} needs {expected}",
+            )
+        total += buf.nbytes
+        if total > limits.max_message_bytes:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"message is over the limit of {limits.max_message_bytes} bytes",
+            )
+        arrays[key] = np.frombuffer(buf, dtype=dtype).reshape(shape) if expected else np.zeros(shape, dtype)
+    return Message(msg_type, seq=seq, meta=meta, arrays=arrays)
+
+
+def send(sock: zmq.Socket[Any], msg: Message, route: Sequence[bytes] = (), flags: int = 0) -> None:
+    """Send ``msg`` (after optional ROUTER routing frames) without copying arrays."""
+    frames = encode(msg)
+    if route:
+        frames = [*route, *frames]
+    sock.send_multipart(frames, flags=flags, copy=False)
+
+
+def recv(sock: zmq.Socket[Any], limits: Limits = DEFAULT_LIMITS, flags: int = 0) -> Message:
+    """Receive and decode one message from a DEALER/PAIR-style socket."""
+    return decode(sock.recv_multipart(flags=flags, copy=False), limits)
+
+
+def recv_routed(
+    sock: zmq.Socket[Any], limits: Limits = DEFAULT_LIMITS, flags: int = 0
+) -> tuple[bytes, Message | None, ProtocolError | None]:
+    """Receive on a ROUTER: ``(peer id, message or None, error or None)``.
+
+    The routing frame is split off before decoding so a malformed message can still
+    be answered to the peer that sent it.
+    """
+    frames = sock.recv_multipart(flags=flags, copy=False)
+    peer = frames[0].bytes
+    try:
+        return peer, decode(frames[1:], limits), None
+    except ProtocolError as exc:
+        return peer, None, exc

@@ -1,0 +1,58 @@
+"""Explicit, lazy registries: names in configs -> ``"module:Class"`` strings.
+
+Nothing here imports a backend: MuJoCo, rclpy, torch or CUDA load only when a config
+asks for them, through :func:`resolve`. Adding a backend is one line in one dict.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+BACKENDS: dict[str, str] = {
+    "mujoco_reach": "sim_bridges.mujoco:MujocoReachBackend",
+    "gymnasium": "sim_bridges.gymnasium:GymnasiumBackend",
+}
+"""Episode backends by the name ``env.backend`` uses."""
+
+POLICIES: dict[str, str] = {
+    "random": "gateway.policies:RandomPolicy",
+    "reach_pd": "sim_bridges.reach:ReachPDPolicy",
+    "zero": "gateway.policies:ZeroPolicy",
+}
+"""Policies the gateway can run in-process, by the name ``policy.kind`` uses."""
+
+CONFIG_BLOCKS: dict[str, str] = {
+    "env": "gateway.config:EnvConfig",
+    "policy": "gateway.config:PolicyConfig",
+    "gateway": "gateway.config:GatewayConfig",
+    "run": "gateway.config:RunConfig",
+}
+"""Top-level blocks of an experiment config and the dataclass that validates each."""
+
+
+class UnknownName(ValueError):
+    """A config named something that is not in a registry."""
+
+
+def resolve(table: dict[str, str], name: str, what: str) -> Any:
+    """Import and return the object registered as ``name`` in ``table``."""
+    target = table.get(name)
+    if target is None:
+        raise UnknownName(f"unknown {what} {name!r}; known: {', '.join(sorted(table))}")
+    module_name, _, attr = target.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, attr)
+
+
+def make_backend(name: str, *, num_envs: int, seed: int = 0, options: dict[str, Any] | None = None) -> Any:
+    """Build the episode backend registered as ``name`` with validated options.
+
+    Every backend class has a ``Config`` dataclass for its options and the constructor
+    ``Backend(config, *, num_envs, seed)``.
+    """
+    from gateway.config import build
+
+    cls = resolve(BACKENDS, name, "backend")
+    config = build(cls.Config, options or {}, "env.options")
+    return cls(config, num_envs=num_envs, seed=seed)
