@@ -73,6 +73,7 @@ class RandomPolicy(Policy):
     def act(self, obs: Obs) -> np.ndarray:
         n = len(next(iter(obs.values())))
         shape = (n, *self.spec.action.shape)
+        sample: np.ndarray
         if self.spec.action.discrete:
             sample = self._rng.integers(
                 self._low.astype(np.int64), self._high.astype(np.int64) + 1, size=shape
@@ -88,7 +89,10 @@ class ZeroPolicy(Policy):
     def act(self, obs: Obs) -> np.ndarray:
         n = len(next(iter(obs.values())))
         mid = (self.spec.action.low_array.astype(np.float64) + self.spec.action.high_array) / 2
-        return np.broadcast_to(mid.astype(self.spec.action.dtype), (n, *self.spec.action.shape)).copy()
+        out: np.ndarray = np.broadcast_to(
+            mid.astype(self.spec.action.dtype), (n, *self.spec.action.shape)
+        ).copy()
+        return out
 
 
 def make_policy(kind: str, spec: EnvSpec, options: dict[str, Any] | None = None, *, seed: int = 0) -> Policy:
@@ -96,7 +100,7 @@ def make_policy(kind: str, spec: EnvSpec, options: dict[str, Any] | None = None,
     from gateway.config import build
     from gateway.registry import POLICIES, resolve
 
-    cls = resolve(POLICIES, kind, "policy")
+    cls: type[Policy] = resolve(POLICIES, kind, "policy")
     if cls.Config is None:
         if options:
             raise ValueError(f"policy.options: policy {kind!r} takes no options, got {sorted(options)}")
