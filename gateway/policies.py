@@ -106,3 +106,63 @@ def make_policy(kind: str, spec: EnvSpec, options: dict[str, Any] | None = None,
             raise ValueError(f"policy.options: policy {kind!r} takes no options, got {sorted(options)}")
         return cls(spec, seed=seed)
     return cls(spec, build(cls.Config, options or {}, "policy.options"), seed=seed)
+
+
+class ActionSource(abc.ABC):
+    """Where the gateway gets actions: in-process policies or remote inference servers.
+
+    The gateway submits a batch of observations with a key and a deadline and later
+    collects ``(key, actions, policy_versions, error)``; a source that answers at once
+    (in-process) and one that answers over sockets (inference servers) look the same.
+    """
+
+    @abc.abstractmethod
+    def submit(self, key: Any, obs: Obs, deadline: float) -> None:
+        """Ask for actions for ``obs``; ``deadline`` is on the ``time.monotonic`` clock."""
+
+    @abc.abstractmethod
+    def results(self) -> list[tuple[Any, np.ndarray | None, np.ndarray | None, str | None]]:
+        """Answers since the last call: ``(key, actions, versions, error message)``."""
+
+    def sockets(self) -> list[Any]:
+        """ZeroMQ sockets the gateway's poller should watch."""
+        return []
+
+    def tick(self) -> None:
+        """Periodic work (retries, health checks)."""
+        return None
+
+    @property
+    def version(self) -> int:
+        """Newest policy version this source serves."""
+        return 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": type(self).__name__}
+
+    def close(self) -> None:
+        return None
+
+
+class InProcessSource(ActionSource):
+    """Runs a :class:`Policy` in the gateway process; answers immediately."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self._done: list[tuple[Any, np.ndarray | None, np.ndarray | None, str | None]] = []
+
+    def submit(self, key: Any, obs: Obs, deadline: float) -> None:
+        actions = self.policy.act(obs)
+        n = len(actions)
+        self._done.append((key, actions, np.full(n, self.policy.version, dtype=np.int64), None))
+
+    def results(self) -> list[tuple[Any, np.ndarray | None, np.ndarray | None, str | None]]:
+        done, self._done = self._done, []
+        return done
+
+    @property
+    def version(self) -> int:
+        return self.policy.version
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "in_process", "policy": type(self.policy).__name__, "version": self.policy.version}

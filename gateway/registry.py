@@ -56,3 +56,31 @@ def make_backend(name: str, *, num_envs: int, seed: int = 0, options: dict[str, 
     cls = resolve(BACKENDS, name, "backend")
     config = build(cls.Config, options or {}, "env.options")
     return cls(config, num_envs=num_envs, seed=seed)
+
+
+SOURCES: dict[str, str] = {}
+"""Remote action sources by ``policy.kind`` (e.g. inference servers); in-process
+policies come from :data:`POLICIES`."""
+
+SINKS: dict[str, str] = {}
+"""Trajectory sinks by config block that enables them (e.g. ``replay``); the local
+episode store is the default."""
+
+
+def experiment_spec(backend: str, options: dict[str, Any] | None = None) -> Any:
+    """The :class:`~gateway.episode.EnvSpec` a config's env block produces.
+
+    Uses the backend's ``spec_for(config)`` class method when it has one (no simulator
+    started); otherwise builds a one-env backend and reads its spec.
+    """
+    from gateway.config import build
+
+    cls = resolve(BACKENDS, backend, "backend")
+    config = build(cls.Config, options or {}, "env.options")
+    if hasattr(cls, "spec_for"):
+        return cls.spec_for(config)
+    instance = cls(config, num_envs=1, seed=0)
+    try:
+        return instance.spec
+    finally:
+        instance.close()

@@ -1,0 +1,97 @@
+"""Build a gateway process from an experiment config and a run folder.
+
+Addresses come from the run's ``endpoints.json`` when it exists (``loopgate up`` writes
+it before starting anything, so a restarted gateway binds the same addresses and its
+workers find it again); otherwise from ``gateway.*_port`` (0 = any free port), and the
+gateway writes ``endpoints.json`` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from gateway.config import ExperimentConfig, load_config
+from gateway.episode import EnvSpec
+from gateway.hub import Gateway
+from gateway.metrics import MetricsWriter
+from gateway.policies import ActionSource, InProcessSource, make_policy
+from gateway.recorder import Recorder
+from gateway.registry import SINKS, SOURCES, experiment_spec, resolve
+from gateway.store import EpisodeStore, StoreSink, TrajectorySink
+from gateway.transport import CurveKeys, endpoint
+
+log = logging.getLogger(__name__)
+
+
+def gateway_addresses(cfg: ExperimentConfig, run_dir: Path) -> dict[str, str]:
+    g = cfg.gateway
+    ipc_dir = run_dir / "ipc"
+    if g.transport == "ipc":
+        ipc_dir.mkdir(parents=True, exist_ok=True)
+    return {
+        "workers": endpoint(g.transport, g.host, g.worker_port, ipc_dir, "workers"),
+        "clients": endpoint(g.transport, g.host, g.client_port, ipc_dir, "clients"),
+        "control": endpoint(g.transport, g.host, g.control_port, ipc_dir, "control"),
+    }
+
+
+def make_source(cfg: ExperimentConfig, spec: EnvSpec, endpoints: dict[str, Any]) -> ActionSource | None:
+    kind = cfg.policy.kind
+    if kind == "external":
+        return None
+    if kind in SOURCES:
+        return resolve(SOURCES, kind, "action source").from_config(cfg, spec, endpoints)  # type: ignore[no-any-return]
+    return InProcessSource(make_policy(kind, spec, dict(cfg.policy.options), seed=cfg.policy.seed))
+
+
+def make_sink(cfg: ExperimentConfig, run_dir: Path, endpoints: dict[str, Any]) -> TrajectorySink:
+    for block, _target in SINKS.items():
+        if cfg.has(block) and getattr(getattr(cfg, block), "enabled", False):
+            sink_cls = resolve(SINKS, block, "trajectory sink")
+            return sink_cls.from_config(cfg, run_dir, endpoints)  # type: ignore[no-any-return]
+    fsync = cfg.gateway.spool_fsync
+    return StoreSink(EpisodeStore(run_dir / "episodes", fsync=fsync))
+
+
+def build_gateway(args: argparse.Namespace) -> Gateway:
+    cfg = load_config(args.config, getattr(args, "set", []) or [])
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    endpoints_path = Path(args.endpoints) if args.endpoints else run_dir / "endpoints.json"
+    endpoints: dict[str, Any] = json.loads(endpoints_path.read_text()) if endpoints_path.exists() else {}
+    addresses = endpoints.get("gateway") or gateway_addresses(cfg, run_dir)
+    if args.spec:
+        spec = EnvSpec.from_dict(json.loads(Path(args.spec).read_text()))
+    else:
+        spec = experiment_spec(cfg.env.backend, dict(cfg.env.options))
+    keys = CurveKeys.load(cfg.gateway.curve_keys) if cfg.gateway.curve_keys else None
+    g = cfg.gateway
+    recorder = Recorder(
+        run_dir / "spool",
+        make_sink(cfg, run_dir, endpoints),
+        chunk_steps=g.chunk_steps,
+        fsync=g.spool_fsync,
+        fsync_interval_s=g.spool_fsync_interval_s,
+    )
+    recovered = recorder.recover()
+    if recovered["records"]:
+        log.info("resuming from spool: %s", recovered)
+    max_steps = args.max_env_steps if args.max_env_steps is not None else cfg.run.max_env_steps
+    gateway = Gateway(
+        config=g,
+        source=make_source(cfg, spec, endpoints),
+        recorder=recorder,
+        spec=spec,
+        addresses=addresses,
+        keys=keys,
+        metrics=MetricsWriter(run_dir / "metrics.jsonl", "gateway"),
+        max_env_steps=max_steps,
+    )
+    if "gateway" not in endpoints:
+        endpoints["gateway"] = gateway.addresses
+        endpoints_path.write_text(json.dumps(endpoints, indent=2))
+    return gateway

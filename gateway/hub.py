@@ -1,0 +1,642 @@
+"""The gateway process: routes observations to the policy and actions back, and records.
+
+One single-threaded event loop over ZeroMQ sockets:
+
+- ``workers`` (ROUTER): env workers register (HELLO with their spec; a mismatch is
+  refused with ``spec_mismatch``), send OBSERVATION batches and get ACTIONs;
+- ``clients`` (ROUTER): :mod:`gateway.client` envs attach to a worker and drive it
+  (RESET / STEP) instead of the policy;
+- ``control`` (ROUTER): COMMANDs from the CLI and the console (status, pause, resume,
+  drain, shutdown);
+- the action source's and the trajectory sink's own sockets.
+
+Every transition a worker reports is written to the recorder's spool before the ACTION
+that acknowledges it leaves (``meta["acked"]``). A malformed message is answered with
+an ERROR naming the problem, counted, logged once per peer and code, and the loop goes
+on serving everyone else. A worker silent for ``worker_timeout_s`` has its episodes
+closed as interrupted (their steps kept).
+
+    python -m gateway.hub --config runs/x/config.yaml --run-dir runs/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from gateway.config import GatewayConfig
+from gateway.episode import EnvSpec
+from gateway.hub_clients import ClientRouter
+from gateway.metrics import Histogram, MetricsWriter
+from gateway.policies import ActionSource
+from gateway.protocol import (
+    ErrorCode,
+    Limits,
+    Message,
+    MsgType,
+    ProtocolError,
+    error_message,
+    recv_routed,
+    send,
+    unpack,
+)
+from gateway.recorder import Recorder
+from gateway.transport import CurveKeys, bind, make_socket
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.05
+STEP_ARRAYS = {
+    "episode": "int64",
+    "step": "int64",
+    "t_capture": "float64",
+    "has_prev": "bool",
+    "reward": "float32",
+    "terminated": "bool",
+    "truncated": "bool",
+    "success": "bool",
+}
+
+
+@dataclass
+class WorkerSession:
+    """What the gateway knows about one registered worker."""
+
+    uid: str
+    route: bytes
+    num_envs: int
+    last_seen: float
+    episodes: list[str] = field(default_factory=list)
+    pending_obs: dict[str, np.ndarray] | None = None
+    pending_arrays: dict[str, np.ndarray] | None = None
+    action: np.ndarray | None = None
+    versions: np.ndarray | None = None
+    t_action: float = 0.0
+    awaiting: int | None = None
+    """Seq of the observation waiting for an action (None: none waiting)."""
+    submitted: bool = False
+    last_seq: int = -1
+    last_reply: Message | None = None
+    client: bytes | None = None
+    env_steps: int = 0
+    rtt_us: float = 0.0
+    acked_now: int = 0
+    """Steps the observation being answered stored (sent back in the ACTION's meta)."""
+
+
+class Gateway:
+    """The hub; construct with bound sockets' addresses, then :meth:`run`."""
+
+    def __init__(
+        self,
+        *,
+        config: GatewayConfig,
+        source: ActionSource | None,
+        recorder: Recorder,
+        spec: EnvSpec | None = None,
+        addresses: dict[str, str],
+        keys: CurveKeys | None = None,
+        metrics: MetricsWriter | None = None,
+        max_env_steps: int | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.source = source
+        self.recorder = recorder
+        self.spec = spec
+        self.limits: Limits = config.limits
+        self.max_env_steps = max_env_steps
+        self.metrics = metrics or MetricsWriter(None, "gateway")
+        self._ctx = context or zmq.Context.instance()
+        self.workers_sock = make_socket(self._ctx, zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000)
+        self.control_sock = make_socket(self._ctx, zmq.ROUTER)
+        self.workers_sock.router_mandatory = False
+        self.addresses = {
+            "workers": bind(self.workers_sock, addresses["workers"], keys),
+            "control": bind(self.control_sock, addresses["control"], keys),
+        }
+        self.clients = ClientRouter(self, self._ctx, addresses["clients"], keys)
+        self.addresses["clients"] = self.clients.address
+        self.sessions: dict[str, WorkerSession] = {}
+        self.by_route: dict[bytes, str] = {}
+        self.errors: Counter[str] = Counter()
+        self._logged: set[tuple[bytes, str]] = set()
+        self.rtt = Histogram()
+        self.gateway_us = Histogram()
+        self.paused = False
+        self.draining = False
+        self.drain_replies: list[tuple[bytes, int]] = []
+        self.stopping = False
+        self.started = time.monotonic()
+        self._rate: deque[tuple[float, int]] = deque(maxlen=64)
+        self._orphans_deadline = time.monotonic() + config.worker_timeout_s
+        self.env_steps = recorder.counters.acked_steps
+
+    # ----------------------------------------------------------------- helpers
+
+    def reply_error(self, sock: zmq.Socket[Any], route: bytes, exc: ProtocolError, seq: int = 0) -> None:
+        self.errors[exc.code.value] += 1
+        if (route, exc.code.value) not in self._logged:
+            self._logged.add((route, exc.code.value))
+            log.warning(
+                "peer %s: %s (further %s errors from it are counted, not logged)",
+                route.hex()[:8],
+                exc,
+                exc.code.value,
+            )
+        send(sock, error_message(exc.code.value, exc.message, seq), route=[route])
+
+    @property
+    def collecting(self) -> bool:
+        return not (self.paused or self.draining or self.budget_reached)
+
+    @property
+    def budget_reached(self) -> bool:
+        return self.max_env_steps is not None and self.env_steps >= self.max_env_steps
+
+    # ----------------------------------------------------------------- workers
+
+    def on_worker_message(self) -> None:
+        route, msg, err = recv_routed(self.workers_sock, self.limits)
+        if err is not None:
+            self.reply_error(self.workers_sock, route, err)
+            return
+        assert msg is not None
+        try:
+            if msg.type is MsgType.HELLO:
+                self.on_hello(route, msg)
+                return
+            uid = self.by_route.get(route)
+            session = self.sessions.get(uid) if uid else None
+            if session is None:
+                if msg.type is MsgType.BYE:
+                    return
+                raise ProtocolError(ErrorCode.NOT_REGISTERED, f"send HELLO before {msg.type.name}")
+            session.last_seen = time.monotonic()
+            if msg.type is MsgType.OBSERVATION:
+                self.on_observation(session, msg)
+            elif msg.type is MsgType.HEARTBEAT:
+                send(self.workers_sock, Message(MsgType.HEARTBEAT), route=[route])
+            elif msg.type is MsgType.BYE:
+                self.drop_worker(session, "said goodbye")
+            else:
+                raise ProtocolError(
+                    ErrorCode.UNEXPECTED, f"{msg.type.name} is not accepted on the worker socket"
+                )
+        except ProtocolError as exc:
+            self.reply_error(self.workers_sock, route, exc, msg.seq)
+
+    def on_hello(self, route: bytes, msg: Message) -> None:
+        meta = msg.meta
+        uid, num_envs = meta.get("uid"), meta.get("num_envs")
+        if not isinstance(uid, str) or not uid or not isinstance(num_envs, int) or num_envs < 1:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "HELLO needs meta uid (string) and num_envs (int >= 1)"
+            )
+        try:
+            spec = EnvSpec.from_dict(meta.get("spec") or {})
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"HELLO carries an invalid spec: {exc}") from None
+        if self.spec is None:
+            self.spec = spec
+            log.info("experiment spec taken from the first worker: %s", spec.name)
+        problems = self.spec.mismatches(spec)
+        if problems:
+            raise ProtocolError(
+                ErrorCode.SPEC_MISMATCH,
+                f"worker {uid}'s env spec does not match the experiment's: {'; '.join(problems)}",
+            )
+        old = self.sessions.get(uid)
+        reset_required = any(e in self.recorder.closed for e in meta.get("episodes", []))
+        if old is not None:
+            self.by_route.pop(old.route, None)
+            session = old
+            session.route, session.last_seen = route, time.monotonic()
+            session.awaiting, session.submitted = None, False
+        else:
+            session = WorkerSession(uid=uid, route=route, num_envs=num_envs, last_seen=time.monotonic())
+            self.sessions[uid] = session
+        self.by_route[route] = uid
+        log.info(
+            "worker %s registered (%d envs%s)", uid, num_envs, ", resuming" if meta.get("resume") else ""
+        )
+        welcome = {"uid": uid, "heartbeat_s": self.config.heartbeat_s, "reset_required": reset_required}
+        send(self.workers_sock, Message(MsgType.WELCOME, seq=msg.seq, meta=welcome), route=[route])
+
+    def _check_observation(self, session: WorkerSession, msg: Message) -> dict[str, np.ndarray]:
+        assert self.spec is not None
+        n = session.num_envs
+        obs = unpack("obs", msg.arrays)
+        problems = self.spec.check_observation(obs, n)
+        for key, dtype in STEP_ARRAYS.items():
+            arr = msg.arrays.get(key)
+            if arr is None or arr.dtype.name != dtype or arr.shape != (n,):
+                got = "missing" if arr is None else f"{arr.dtype}{list(arr.shape)}"
+                problems.append(f"{key!r} must be {dtype}[{n}], got {got}")
+        if problems:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "observation: " + "; ".join(problems))
+        return obs
+
+    def on_observation(self, session: WorkerSession, msg: Message) -> None:
+        if msg.seq <= session.last_seq:
+            # A resend of an observation we already handled (the worker reconnected):
+            # answer it again if we answered before; otherwise its answer is pending.
+            if msg.seq == session.last_seq and session.last_reply is not None:
+                send(self.workers_sock, session.last_reply, route=[session.route])
+            elif msg.seq == session.last_seq:
+                session.awaiting = msg.seq
+            return
+        obs = self._check_observation(session, msg)
+        if msg.meta.get("rtt_us"):
+            session.rtt_us = float(msg.meta["rtt_us"])
+            self.rtt.add(session.rtt_us)
+        acked = self._record(session, msg, obs)
+        session.last_seq = msg.seq
+        session.last_reply = None
+        session.pending_obs = obs
+        session.pending_arrays = {k: msg.arrays[k] for k in ("episode", "step", "t_capture")}
+        session.episodes = [f"{session.uid}-{i}-{int(e)}" for i, e in enumerate(msg.arrays["episode"])]
+        session.awaiting = msg.seq
+        session.submitted = False
+        session.acked_now = acked
+        self.route_observation(session, msg)
+
+    def _record(self, session: WorkerSession, msg: Message, obs: dict[str, np.ndarray]) -> int:
+        """Spool the transitions this observation completes; close finished episodes."""
+        a = msg.arrays
+        has_prev = np.asarray(a["has_prev"])
+        rows = np.flatnonzero(has_prev)
+        new = 0
+        if len(rows):
+            prev = self._previous(session, msg, rows)
+            done = np.asarray(a["terminated"]) | np.asarray(a["truncated"])
+            scalars = {
+                "reward": a["reward"][rows],
+                "terminated": a["terminated"][rows],
+                "truncated": a["truncated"][rows],
+                "success": a["success"][rows],
+                "policy_version": prev["policy_version"],
+                "t_capture": prev["t_capture"],
+                "t_action": prev["t_action"],
+                "step": prev["step"],
+            }
+            episodes = [f"{session.uid}-{int(r)}-{int(e)}" for r, e in zip(rows, prev["episode"])]
+            new = self.recorder.record(
+                worker=session.uid,
+                task=self.spec.name if self.spec else "",
+                episodes=episodes,
+                envs=rows,
+                obs=prev["obs"],
+                action=prev["action"],
+                scalars=scalars,
+            )
+            final = unpack("final_obs", a)
+            for j, r in enumerate(rows):
+                if done[r]:
+                    reason = "terminated" if a["terminated"][r] else "truncated"
+                    fo = {k: v[r] for k, v in final.items()} if final else None
+                    self.recorder.end(episodes[j], reason, fo)
+            session.env_steps += new
+            self.env_steps += new
+        # Envs that start a new episode without finishing the old one (a reset) leave it
+        # interrupted; its steps so far are kept.
+        for i in np.flatnonzero(~has_prev):
+            old = session.episodes[i] if i < len(session.episodes) else None
+            if old and old in self.recorder.open:
+                self.recorder.end(old, "interrupted")
+        self._rate.append((time.monotonic(), self.env_steps))
+        return new
+
+    def _previous(self, session: WorkerSession, msg: Message, rows: np.ndarray) -> dict[str, Any]:
+        """Observation, action and ids of the step each row of ``msg`` completes."""
+        a = msg.arrays
+        if "prev/action" in a:
+            prev_obs = unpack("prev/obs", a)
+            return {
+                "obs": {k: v[rows] for k, v in prev_obs.items()},
+                "action": a["prev/action"][rows],
+                "policy_version": a["prev/policy_version"][rows],
+                "t_action": a["prev/t_action"][rows],
+                "t_capture": a["prev/t_capture"][rows],
+                "episode": a["prev/episode"][rows],
+                "step": a["prev/step"][rows],
+            }
+        if session.pending_obs is None or session.action is None or session.pending_arrays is None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                "observation completes a step the gateway has no record of; resend it with prev/* arrays",
+            )
+        assert session.versions is not None
+        p = session.pending_arrays
+        return {
+            "obs": {k: v[rows] for k, v in session.pending_obs.items()},
+            "action": session.action[rows],
+            "policy_version": session.versions[rows],
+            "t_action": np.full(len(rows), session.t_action),
+            "t_capture": p["t_capture"][rows],
+            "episode": p["episode"][rows],
+            "step": p["step"][rows],
+        }
+
+    def route_observation(self, session: WorkerSession, msg: Message) -> None:
+        if session.client is not None:
+            self.clients.forward_observation(session, msg)
+        elif self.collecting and self.source is not None:
+            self._submit(session)
+
+    def _submit(self, session: WorkerSession) -> None:
+        assert self.source is not None and session.pending_obs is not None and session.awaiting is not None
+        session.submitted = True
+        self.source.submit((session.uid, session.awaiting), session.pending_obs, time.monotonic() + 5.0)
+
+    def send_action(
+        self,
+        session: WorkerSession,
+        seq: int,
+        actions: np.ndarray,
+        versions: np.ndarray,
+        started: float | None = None,
+    ) -> None:
+        if session.awaiting != seq:
+            return  # the worker moved on (reconnect, reset) meanwhile
+        assert self.spec is not None
+        problems = self.spec.check_action(np.asarray(actions), session.num_envs)
+        if problems:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "action: " + "; ".join(problems))
+        session.action = np.asarray(actions)
+        session.versions = np.asarray(versions, dtype=np.int64)
+        session.t_action = time.time()
+        reply = Message(
+            MsgType.ACTION,
+            seq=seq,
+            meta={"acked": session.acked_now, "t_action": session.t_action},
+            arrays={"action": session.action, "policy_version": session.versions},
+        )
+        send(self.workers_sock, reply, route=[session.route])
+        session.last_reply = reply
+        session.awaiting = None
+        session.submitted = False
+
+    def send_reset(self, session: WorkerSession, seed: int | None, options: dict[str, Any] | None) -> None:
+        assert session.awaiting is not None
+        reply = Message(MsgType.RESET, seq=session.awaiting, meta={"seed": seed, "options": options})
+        send(self.workers_sock, reply, route=[session.route])
+        session.last_reply = reply
+        session.awaiting = None
+
+    def collect_actions(self) -> None:
+        if self.source is None:
+            return
+        for (uid, seq), actions, versions, error in self.source.results():
+            session = self.sessions.get(uid)
+            if session is None:
+                continue
+            if error is not None or actions is None or versions is None:
+                log.warning("no action for worker %s: %s; asking again", uid, error)
+                session.submitted = False
+                continue
+            try:
+                self.send_action(session, seq, actions, versions)
+            except ProtocolError as exc:
+                log.error("policy produced a bad action for worker %s: %s", uid, exc)
+                raise
+
+    def drop_worker(self, session: WorkerSession, why: str) -> None:
+        interrupted = self.recorder.interrupt(session.uid)
+        log.warning("worker %s %s; %d episode(s) closed as interrupted", session.uid, why, interrupted)
+        self.sessions.pop(session.uid, None)
+        self.by_route.pop(session.route, None)
+        self.clients.worker_gone(session)
+
+    # ----------------------------------------------------------------- control
+
+    def status(self) -> dict[str, Any]:
+        c = self.recorder.counters
+        now = time.monotonic()
+        rate = 0.0
+        if len(self._rate) >= 2:
+            (t0, s0), (t1, s1) = self._rate[0], self._rate[-1]
+            if now - t1 < 2.0 and t1 > t0:
+                rate = (s1 - s0) / (t1 - t0)
+        return {
+            "env_steps": self.env_steps,
+            "episodes": c.episodes_ended,
+            "episodes_interrupted": c.episodes_interrupted,
+            "acked_steps": c.acked_steps,
+            "duplicate_resends": c.duplicate_resends,
+            "steps_per_s": round(rate, 1),
+            "rtt_p50_us": round(self.rtt.percentile(50), 1),
+            "rtt_p99_us": round(self.rtt.percentile(99), 1),
+            "rtt": self.rtt.to_dict(),
+            "errors": dict(self.errors),
+            "paused": self.paused,
+            "draining": self.draining,
+            "budget_reached": self.budget_reached,
+            "open_episodes": len(self.recorder.open),
+            "unacked_chunks": self.recorder.unacked_chunks,
+            "sink": self.recorder.sink.describe(),
+            "sink_backlog": self.recorder.sink.backlog(),
+            "policy": self.source.describe() if self.source else {"kind": "external"},
+            "policy_version": self.source.version if self.source else 0,
+            "uptime_s": round(now - self.started, 1),
+            "workers": [
+                {
+                    "uid": s.uid,
+                    "num_envs": s.num_envs,
+                    "env_steps": s.env_steps,
+                    "rtt_us": round(s.rtt_us, 1),
+                    "silent_s": round(now - s.last_seen, 2),
+                    "client": s.client is not None,
+                }
+                for s in self.sessions.values()
+            ],
+            "spec": self.spec.to_dict() if self.spec else None,
+        }
+
+    def on_control_message(self) -> None:
+        route, msg, err = recv_routed(self.control_sock, self.limits)
+        if err is not None:
+            self.reply_error(self.control_sock, route, err)
+            return
+        assert msg is not None
+        try:
+            if msg.type is not MsgType.COMMAND:
+                raise ProtocolError(
+                    ErrorCode.UNEXPECTED, f"the control socket takes COMMAND, not {msg.type.name}"
+                )
+            cmd = msg.meta.get("cmd")
+            if cmd == "drain":
+                self.draining = True
+                self.recorder.drain()
+                self.drain_replies.append((route, msg.seq))
+                return
+            result = self.command(cmd, msg.meta)
+            send(self.control_sock, Message(MsgType.REPLY, seq=msg.seq, meta=result), route=[route])
+        except ProtocolError as exc:
+            self.reply_error(self.control_sock, route, exc, msg.seq)
+
+    def command(self, cmd: Any, meta: dict[str, Any]) -> dict[str, Any]:
+        if cmd == "status":
+            return self.status()
+        if cmd == "pause":
+            self.paused = True
+            return {"paused": True}
+        if cmd == "resume":
+            self.paused = False
+            self._resubmit_waiting()
+            return {"paused": False}
+        if cmd == "set_budget":
+            value = meta.get("max_env_steps")
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, f"max_env_steps must be a positive integer, got {value!r}"
+                )
+            self.max_env_steps = value
+            self._resubmit_waiting()
+            return {"max_env_steps": value}
+        if cmd == "shutdown":
+            self.stopping = True
+            return {"stopping": True}
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"unknown command {cmd!r} (status, pause, resume, set_budget, drain, shutdown)",
+        )
+
+    def _resubmit_waiting(self) -> None:
+        if not self.collecting or self.source is None:
+            return
+        for session in self.sessions.values():
+            if session.awaiting is not None and not session.submitted and session.client is None:
+                self._submit(session)
+
+    # -------------------------------------------------------------------- loop
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for session in list(self.sessions.values()):
+            if now - session.last_seen > self.config.worker_timeout_s:
+                self.drop_worker(session, f"silent for {now - session.last_seen:.1f} s")
+        if now > self._orphans_deadline:
+            # Episodes recovered from the spool whose worker never came back.
+            for uid in self.recorder.open_workers() - set(self.sessions):
+                n = self.recorder.interrupt(uid)
+                log.warning("worker %s did not return after restart; %d episode(s) interrupted", uid, n)
+            self._orphans_deadline = float("inf")
+        self._resubmit_waiting()
+        if self.source is not None:
+            self.source.tick()
+        self.recorder.sink.tick()
+
+    def run(self, stop: Any = None) -> None:
+        poller = zmq.Poller()
+        handlers: dict[Any, Any] = {
+            self.workers_sock: self.on_worker_message,
+            self.control_sock: self.on_control_message,
+            self.clients.sock: self.clients.on_message,
+        }
+        extra = [*(self.source.sockets() if self.source else []), *self.recorder.sink.sockets()]
+        for sock in [*handlers, *extra]:
+            poller.register(sock, zmq.POLLIN)
+        last_tick = last_metrics = time.monotonic()
+        log.info("gateway serving: %s", json.dumps(self.addresses))
+        while not self.stopping and not (stop is not None and stop.is_set()):
+            events = dict(poller.poll(int(TICK_S * 1000)))
+            for sock, handler in handlers.items():
+                if sock in events:
+                    for _ in range(256):  # drain what is there, but let others in
+                        handler()
+                        if not sock.poll(0):
+                            break
+            # Sources and sinks drain their own sockets when asked for results.
+            self.collect_actions()
+            self.recorder.pump()
+            if self.draining and self.drain_replies and self.recorder.unacked_chunks == 0:
+                for route, seq in self.drain_replies:
+                    send(
+                        self.control_sock,
+                        Message(MsgType.REPLY, seq=seq, meta={"drained": True, **self.status()}),
+                        route=[route],
+                    )
+                self.drain_replies.clear()
+            now = time.monotonic()
+            if now - last_tick >= TICK_S:
+                self.tick()
+                last_tick = now
+            if now - last_metrics >= 1.0:
+                status = self.status()
+                status.pop("spec", None)
+                status.pop("rtt", None)
+                self.metrics.emit(status)
+                last_metrics = now
+
+    def close(self) -> None:
+        self.clients.close()
+        for sock in (self.workers_sock, self.control_sock):
+            sock.close(linger=0)
+        if self.source is not None:
+            self.source.close()
+        self.recorder.close()
+        self.recorder.sink.close()
+        self.metrics.close()
+
+
+# ------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loopgate gateway",
+        description="Run the gateway: env workers in, actions out, trajectories recorded.",
+        epilog="example: loopgate gateway --config configs/reach_sim.yaml --run-dir runs/manual\n"
+        "         (then: loopgate worker --endpoints runs/manual/endpoints.json)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", required=True, help="experiment config (YAML)")
+    p.add_argument("--run-dir", required=True, help="run folder (spool, episodes, metrics)")
+    p.add_argument("--endpoints", help="endpoints.json to read addresses from (written if absent)")
+    p.add_argument("--spec", help="spec.json: the experiment's env spec (default: the first worker's)")
+    p.add_argument("--set", action="append", default=[], metavar="BLOCK.KEY=VALUE", help="config override")
+    p.add_argument("--max-env-steps", type=int, help="stop giving actions after this many recorded steps")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gateway.assembly import build_gateway
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from gateway.config import ConfigError
+
+    try:
+        gateway = build_gateway(args)
+    except (ConfigError, ValueError, OSError) as exc:
+        log.error("%s", exc)
+        return 2
+    stopping = {"n": 0}
+
+    def _stop(signum: int, frame: Any) -> None:
+        stopping["n"] += 1
+        gateway.stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        gateway.run()
+    finally:
+        gateway.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The gateway's client socket: :mod:`gateway.client` envs driving workers directly.
+
+A client attaches to one worker (HELLO ``{"role": "client", "num_envs": n}``, optionally
+naming the worker's ``uid``) and from then on that worker's observations go to the
+client instead of the policy; the client's RESET and STEP messages become the worker's
+resets and actions. Everything the worker does is still recorded like any other step
+(policy version: the client's ``version``, default 0).
+
+When the experiment's policy drives the workers (``policy.kind`` other than
+``external``), attaching needs ``takeover: true`` in the HELLO: the policy gets the
+worker back when the client says BYE or falls silent and another client needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zmq
+
+from gateway.protocol import ErrorCode, Message, MsgType, ProtocolError, error_message, recv_routed, send
+from gateway.transport import CurveKeys, bind, make_socket
+
+if TYPE_CHECKING:
+    from gateway.hub import Gateway, WorkerSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClientState:
+    route: bytes
+    uid: str
+    last_seen: float
+    waiting_seq: int | None = None
+    """Seq of the client's RESET or STEP waiting for an observation."""
+    reset_request: tuple[Any, Any] | None = None
+    """A reset asked for while the worker was busy: (seed, options)."""
+    version: int = 0
+
+
+class ClientRouter:
+    """Attaches clients to workers and relays their resets, steps and observations."""
+
+    def __init__(self, gateway: Gateway, ctx: zmq.Context[Any], address: str, keys: CurveKeys | None) -> None:
+        self.gateway = gateway
+        self.sock = make_socket(ctx, zmq.ROUTER)
+        self.address = bind(self.sock, address, keys)
+        self.clients: dict[bytes, ClientState] = {}
+
+    def _session(self, state: ClientState) -> WorkerSession:
+        session = self.gateway.sessions.get(state.uid)
+        if session is None or session.client != state.route:
+            self.clients.pop(state.route, None)
+            raise ProtocolError(ErrorCode.UNAVAILABLE, f"worker {state.uid} is gone; attach again with HELLO")
+        return session
+
+    def on_message(self) -> None:
+        route, msg, err = recv_routed(self.sock, self.gateway.limits)
+        if err is not None:
+            self.gateway.reply_error(self.sock, route, err)
+            return
+        assert msg is not None
+        try:
+            if msg.type is MsgType.HELLO:
+                self.on_hello(route, msg)
+                return
+            state = self.clients.get(route)
+            if state is None:
+                if msg.type is MsgType.BYE:
+                    return
+                raise ProtocolError(ErrorCode.NOT_REGISTERED, f"send HELLO before {msg.type.name}")
+            state.last_seen = time.monotonic()
+            if msg.type is MsgType.RESET:
+                self.on_reset(state, msg)
+            elif msg.type is MsgType.STEP:
+                self.on_step(state, msg)
+            elif msg.type is MsgType.HEARTBEAT:
+                send(self.sock, Message(MsgType.HEARTBEAT, seq=msg.seq), route=[route])
+            elif msg.type is MsgType.BYE:
+                self.detach(state)
+            else:
+                raise ProtocolError(
+                    ErrorCode.UNEXPECTED, f"{msg.type.name} is not accepted on the client socket"
+                )
+        except ProtocolError as exc:
+            self.gateway.reply_error(self.sock, route, exc, msg.seq)
+
+    def on_hello(self, route: bytes, msg: Message) -> None:
+        num_envs, wanted = msg.meta.get("num_envs"), msg.meta.get("worker")
+        takeover = bool(msg.meta.get("takeover", False))
+        if self.gateway.source is not None and not takeover:
+            raise ProtocolError(
+                ErrorCode.UNAVAILABLE,
+                "the experiment's policy drives every worker; set policy.kind: external, or attach with takeover",
+            )
+        if route in self.clients:
+            self.detach(self.clients[route])
+        now = time.monotonic()
+        candidates = [
+            s
+            for s in self.gateway.sessions.values()
+            if (wanted is None or s.uid == wanted) and (num_envs is None or s.num_envs == num_envs)
+        ]
+        free = [s for s in candidates if s.client is None]
+        if not free:
+            # A client that fell silent gives way to one that is here.
+            stale = [s for s in candidates if s.client is not None and self._silent(s.client, now)]
+            for s in stale:
+                assert s.client is not None
+                self.detach(self.clients[s.client])
+            free = stale
+        if not free:
+            known = ", ".join(
+                f"{s.uid} ({s.num_envs} envs{', taken' if s.client else ''})"
+                for s in self.gateway.sessions.values()
+            )
+            raise ProtocolError(
+                ErrorCode.UNAVAILABLE,
+                f"no free worker with num_envs={num_envs}{f' and uid={wanted}' if wanted else ''}; workers: {known or 'none'}",
+            )
+        session = free[0]
+        session.client = route
+        self.clients[route] = ClientState(route, session.uid, now, version=int(msg.meta.get("version", 0)))
+        assert self.gateway.spec is not None
+        meta = {"worker": session.uid, "num_envs": session.num_envs, "spec": self.gateway.spec.to_dict()}
+        send(self.sock, Message(MsgType.WELCOME, seq=msg.seq, meta=meta), route=[route])
+        log.info("client %s attached to worker %s", route.hex()[:8], session.uid)
+
+    def _silent(self, route: bytes, now: float) -> bool:
+        state = self.clients.get(route)
+        return state is None or now - state.last_seen > self.gateway.config.worker_timeout_s
+
+    def on_reset(self, state: ClientState, msg: Message) -> None:
+        session = self._session(state)
+        seed, options = msg.meta.get("seed"), msg.meta.get("options")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"seed must be an integer or null, got {seed!r}")
+        state.waiting_seq = msg.seq
+        if session.awaiting is not None and not session.submitted:
+            self.gateway.send_reset(session, seed, options)
+        else:
+            state.reset_request = (seed, options)
+
+    def on_step(self, state: ClientState, msg: Message) -> None:
+        session = self._session(state)
+        if session.awaiting is None or state.reset_request is not None:
+            raise ProtocolError(
+                ErrorCode.UNEXPECTED, "the previous reset or step is still running; wait for its answer"
+            )
+        action = msg.arrays.get("action")
+        if action is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "STEP needs an 'action' array")
+        assert self.gateway.spec is not None
+        problems = self.gateway.spec.check_action(np.asarray(action), session.num_envs)
+        if problems:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "action: " + "; ".join(problems))
+        state.waiting_seq = msg.seq
+        versions = np.full(session.num_envs, state.version, dtype=np.int64)
+        self.gateway.send_action(session, session.awaiting, np.array(action), versions)
+
+    def forward_observation(self, session: WorkerSession, msg: Message) -> None:
+        assert session.client is not None
+        state = self.clients.get(session.client)
+        if state is None:
+            return
+        if state.reset_request is not None:
+            seed, options = state.reset_request
+            state.reset_request = None
+            self.gateway.send_reset(session, seed, options)
+            return
+        if state.waiting_seq is None:
+            return  # nobody asked; the observation waits in the session until they do
+        arrays = {k: v for k, v in msg.arrays.items() if not k.startswith("prev/")}
+        meta = {"worker": session.uid, "reset": bool(msg.meta.get("reset", False))}
+        send(
+            self.sock,
+            Message(MsgType.OBSERVATION, seq=state.waiting_seq, meta=meta, arrays=arrays),
+            route=[state.route],
+        )
+        state.waiting_seq = None
+
+    def detach(self, state: ClientState) -> None:
+        self.clients.pop(state.route, None)
+        session = self.gateway.sessions.get(state.uid)
+        if session is not None and session.client == state.route:
+            session.client = None
+            log.info("client %s detached from worker %s", state.route.hex()[:8], state.uid)
+
+    def worker_gone(self, session: WorkerSession) -> None:
+        if session.client is None:
+            return
+        state = self.clients.pop(session.client, None)
+        if state is not None and state.waiting_seq is not None:
+            send(
+                self.sock,
+                error_message(
+                    ErrorCode.UNAVAILABLE.value, f"worker {session.uid} is gone", state.waiting_seq
+                ),
+                route=[state.route],
+            )
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

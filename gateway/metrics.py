@@ -1,0 +1,136 @@
+"""Counters, latency histograms and the run's ``metrics.jsonl``.
+
+Every process appends one JSON object per line to the run's ``metrics.jsonl`` with
+:class:`MetricsWriter` (``{"t": unix time, "service": "gateway", ...}``); each line is
+written with a single ``write`` on an ``O_APPEND`` descriptor, so lines from
+concurrent processes never interleave. :class:`Histogram` keeps log-spaced buckets so
+percentiles are cheap and histograms from several processes merge exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class Histogram:
+    """Log-bucketed histogram of positive values (e.g. latencies in µs), ~2 % resolution."""
+
+    GROWTH = 1.04
+
+    def __init__(self) -> None:
+        self.counts: Counter[int] = Counter()
+        self.n = 0
+        self.total = 0.0
+        self.max = 0.0
+
+    def _bucket(self, value: float) -> int:
+        return int(math.log(max(value, 1e-9), self.GROWTH)) if value > 0 else -10_000
+
+    def add(self, value: float) -> None:
+        self.counts[self._bucket(value)] += 1
+        self.n += 1
+        self.total += value
+        self.max = max(self.max, value)
+
+    def add_many(self, values: Any) -> None:
+        for value in np.asarray(values, dtype=np.float64).ravel():
+            self.add(float(value))
+
+    def merge(self, other: Histogram) -> None:
+        self.counts.update(other.counts)
+        self.n += other.n
+        self.total += other.total
+        self.max = max(self.max, other.max)
+
+    def percentile(self, q: float) -> float:
+        """The ``q``-th percentile (0..100); 0.0 when empty."""
+        if self.n == 0:
+            return 0.0
+        rank = q / 100 * self.n
+        seen = 0
+        for bucket in sorted(self.counts):
+            seen += self.counts[bucket]
+            if seen >= rank:
+                return 0.0 if bucket == -10_000 else min(self.GROWTH ** (bucket + 0.5), self.max)
+        return self.max
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n if self.n else 0.0
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "n": self.n,
+            "mean": round(self.mean, 3),
+            "p50": round(self.percentile(50), 3),
+            "p99": round(self.percentile(99), 3),
+            "max": round(self.max, 3),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"b": dict(self.counts), "n": self.n, "total": self.total, "max": self.max}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Histogram:
+        h = cls()
+        h.counts.update({int(k): int(v) for k, v in data.get("b", {}).items()})
+        h.n, h.total, h.max = (
+            int(data.get("n", 0)),
+            float(data.get("total", 0.0)),
+            float(data.get("max", 0.0)),
+        )
+        return h
+
+
+class MetricsWriter:
+    """Appends metric records for one service to a ``metrics.jsonl`` file."""
+
+    def __init__(self, path: str | Path | None, service: str) -> None:
+        self.service = service
+        self._fd: int | None = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(self, record: dict[str, Any]) -> None:
+        if self._fd is None:
+            return
+        line = json.dumps({"t": round(time.time(), 3), "service": self.service, **record}, default=_plain)
+        os.write(self._fd, (line + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Histogram):
+        return value.summary()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a ``metrics.jsonl`` (a torn last line from a killed process is skipped)."""
+    records: list[dict[str, Any]] = []
+    p = Path(path)
+    if not p.exists():
+        return records
+    for line in p.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

@@ -1,0 +1,373 @@
+"""The recorder: steps in, durable acknowledged chunks out; nothing lost, nothing twice.
+
+The gateway calls :meth:`Recorder.record` with the transitions a worker's message
+completed. They are written to the spool (a :class:`~gateway.segment_log.SegmentLog`)
+*before* the gateway acknowledges them to the worker, so an acknowledged step is on
+disk even if the gateway is killed the next instant. Steps are grouped per episode
+into chunks of ``chunk_steps`` (episode ends flush early) and handed to the sink; a
+spool segment is deleted once every step in it is in a chunk the sink acknowledged.
+
+Spool records (``meta["kind"]``):
+
+- ``steps``: a batch of transitions (arrays with one row per step, ``meta["episodes"]``);
+- ``end``: an episode ended (``reason``, optional ``final_obs/*``);
+- ``acked``: chunks the sink stored (``[[chunk_id, num_steps], ...]``);
+- ``snapshot``: first record of every segment after the first: open episodes and
+  their next step index, recently closed ones, counters.
+
+:meth:`Recorder.recover` rebuilds everything from the spool after a restart; re-sent
+steps (``step`` below an episode's next index) are acknowledged again but stored once.
+Chunk boundaries are deterministic (a chunk never spans a multiple of ``chunk_steps``
+in step index), so a chunk re-sent after a restart has the same id and the sink
+deduplicates it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gateway.protocol import Message, MsgType, pack, unpack
+from gateway.segment_log import FsyncPolicy, SegmentLog
+from gateway.store import TrajectorySink
+from gateway.trajectory import STEP_FIELDS, StepRows
+
+log = logging.getLogger(__name__)
+
+CLOSED_MEMORY = 4096
+"""Recently closed episodes remembered to recognise re-sent final steps."""
+
+
+@dataclass
+class OpenEpisode:
+    rows: StepRows
+    next_step: int
+    segments: list[int] = field(default_factory=list)
+    end: str | None = None
+    final_obs: dict[str, np.ndarray] | None = None
+
+
+@dataclass
+class RecorderCounters:
+    acked_steps: int = 0
+    """Unique steps written to the spool (and acknowledged to workers)."""
+    duplicate_resends: int = 0
+    """Steps re-sent by workers after a reconnect that were already recorded."""
+    episodes_ended: int = 0
+    episodes_interrupted: int = 0
+    chunks_submitted: int = 0
+    chunks_acked: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Recorder:
+    """Per-episode chunking in front of a sink, with a write-ahead spool."""
+
+    def __init__(
+        self,
+        spool_dir: str | Path,
+        sink: TrajectorySink,
+        *,
+        chunk_steps: int = 64,
+        fsync: FsyncPolicy = "interval",
+        fsync_interval_s: float = 1.0,
+        segment_bytes: int = 64 << 20,
+    ) -> None:
+        self.sink = sink
+        self.chunk_steps = chunk_steps
+        self.counters = RecorderCounters()
+        self.open: dict[str, OpenEpisode] = {}
+        self.closed: OrderedDict[str, int] = OrderedDict()
+        self._inflight: dict[str, tuple[str, Counter[int], int]] = {}
+        self._seg_unacked: Counter[int] = Counter()
+        # The recorder rolls segments itself so each new one starts with a snapshot.
+        self.segment_bytes = segment_bytes
+        self._spool = SegmentLog(
+            spool_dir, fsync=fsync, fsync_interval_s=fsync_interval_s, segment_bytes=1 << 62
+        )
+        self._ready: list[Message] = []
+        self._cutting = True
+
+    # ------------------------------------------------------------------ record
+
+    def record(
+        self,
+        *,
+        worker: str,
+        task: str,
+        episodes: list[str],
+        envs: np.ndarray,
+        obs: Mapping[str, np.ndarray],
+        action: np.ndarray,
+        scalars: Mapping[str, np.ndarray],
+        eval_flags: list[bool] | None = None,
+    ) -> int:
+        """Spool a batch of transitions (row ``i`` belongs to ``episodes[i]``).
+
+        Returns the number of new steps; re-sent ones are skipped. When this returns the
+        steps are durable against this process dying (see ``SegmentLog.append``).
+        """
+        steps = np.asarray(scalars["step"], dtype=np.int64)
+        keep = [i for i, ep in enumerate(episodes) if not self._is_duplicate(ep, int(steps[i]))]
+        self.counters.duplicate_resends += len(episodes) - len(keep)
+        if not keep:
+            return 0
+        if len(keep) != len(episodes):
+            idx = np.asarray(keep)
+            episodes = [episodes[i] for i in keep]
+            envs, action = envs[idx], action[idx]
+            obs = {k: v[idx] for k, v in obs.items()}
+            scalars = {k: np.asarray(v)[idx] for k, v in scalars.items()}
+            eval_flags = [eval_flags[i] for i in keep] if eval_flags else None
+        arrays = {**pack("obs", obs), "action": action, "env": np.asarray(envs, np.int64)}
+        arrays.update({k: np.asarray(scalars[k], dtype=dt) for k, dt in STEP_FIELDS.items()})
+        meta = {
+            "kind": "steps",
+            "worker": worker,
+            "task": task,
+            "episodes": episodes,
+            "eval": eval_flags or [],
+        }
+        pos = self._append(Message(MsgType.TRAJECTORY_CHUNK, meta=meta, arrays=arrays))
+        self._apply_steps(meta, arrays, pos.segment)
+        return len(episodes)
+
+    def _is_duplicate(self, episode: str, step: int) -> bool:
+        if episode in self.closed:
+            return True
+        ep = self.open.get(episode)
+        return ep is not None and step < ep.next_step
+
+    def _apply_steps(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray], segment: int) -> None:
+        obs = unpack("obs", arrays)
+        episodes: list[str] = meta["episodes"]
+        eval_flags = meta.get("eval") or [False] * len(episodes)
+        for i, episode in enumerate(episodes):
+            step = int(arrays["step"][i])
+            if self._is_duplicate(episode, step):
+                continue
+            ep = self.open.get(episode)
+            if ep is None:
+                rows = StepRows(
+                    episode, meta["worker"], int(arrays["env"][i]), meta["task"], bool(eval_flags[i])
+                )
+                ep = self.open[episode] = OpenEpisode(rows, next_step=step)
+            block = step // self.chunk_steps
+            if self._cutting and len(ep.rows) and block != ep.rows.first_step // self.chunk_steps:
+                self._cut(ep, len(ep.rows))
+            ep.rows.add(
+                {k: v[i] for k, v in obs.items()},
+                arrays["action"][i],
+                **{k: arrays[k][i] for k in STEP_FIELDS},
+            )
+            ep.segments.append(segment)
+            ep.next_step = step + 1
+            self._seg_unacked[segment] += 1
+            self.counters.acked_steps += 1
+
+    def end(self, episode: str, reason: str, final_obs: Mapping[str, np.ndarray] | None = None) -> None:
+        """Close an episode (``terminated``, ``truncated`` or ``interrupted``) and flush it."""
+        ep = self.open.get(episode)
+        if ep is None:
+            return
+        arrays = (
+            pack("final_obs", {k: np.asarray(v)[None] for k, v in final_obs.items()}) if final_obs else {}
+        )
+        self._spool.append(
+            Message(
+                MsgType.TRAJECTORY_CHUNK,
+                meta={"kind": "end", "episode": episode, "reason": reason},
+                arrays=arrays,
+            )
+        )
+        self._spool.commit()
+        self._close(episode, reason, final_obs)
+
+    def _close(self, episode: str, reason: str, final_obs: Mapping[str, np.ndarray] | None) -> None:
+        ep = self.open.pop(episode)
+        if reason == "interrupted":
+            self.counters.episodes_interrupted += 1
+        else:
+            self.counters.episodes_ended += 1
+        if len(ep.rows):
+            ep.end, ep.final_obs = reason, dict(final_obs) if final_obs else None
+            self._cut(ep, len(ep.rows))
+        self.closed[episode] = ep.next_step
+        while len(self.closed) > CLOSED_MEMORY:
+            self.closed.popitem(last=False)
+
+    def interrupt(self, worker: str | None = None) -> int:
+        """Close every open episode (of ``worker``, or all) as interrupted; keep their steps."""
+        victims = [e for e, ep in self.open.items() if worker is None or ep.rows.worker == worker]
+        for episode in victims:
+            self.end(episode, "interrupted")
+        return len(victims)
+
+    def open_workers(self) -> set[str]:
+        return {ep.rows.worker for ep in self.open.values()}
+
+    # ------------------------------------------------------------------ chunks
+
+    def _cut(self, ep: OpenEpisode, n: int) -> None:
+        final = n == len(ep.rows) and ep.end is not None
+        head = ep.rows.take(n)
+        segs = Counter(ep.segments[:n])
+        ep.segments = ep.segments[n:]
+        chunk = head.to_chunk(end=ep.end if final else None, final_obs=ep.final_obs if final else None)
+        self._inflight[chunk.meta["chunk_id"]] = (chunk.meta["episode_id"], segs, n)
+        self._ready.append(chunk)
+
+    def pump(self) -> int:
+        """Submit ready chunks, collect acknowledgements, trim the spool; return acks seen."""
+        while self._ready:
+            chunk = self._ready.pop(0)
+            self.sink.submit(chunk)
+            self.counters.chunks_submitted += 1
+        acked = self.sink.poll_acks()
+        entries = []
+        for cid in acked:
+            entry = self._inflight.pop(cid, None)
+            if entry is None:
+                continue  # a duplicate ack of a re-sent chunk
+            _, segs, n = entry
+            self._seg_unacked.subtract(segs)
+            entries.append([cid, n])
+            self.counters.chunks_acked += 1
+        if entries:
+            self._append(Message(MsgType.TRAJECTORY_CHUNK, meta={"kind": "acked", "chunks": entries}))
+            self._trim()
+        return len(entries)
+
+    @property
+    def unacked_chunks(self) -> int:
+        return len(self._inflight)
+
+    def _append(self, msg: Message) -> Any:
+        if self._spool.current_size > self.segment_bytes:
+            self._roll_with_snapshot()
+        pos = self._spool.append(msg)
+        self._spool.commit()
+        return pos
+
+    def _trim(self) -> None:
+        """Delete the oldest segments while every step in them is acknowledged."""
+        current = self._spool.current_segment
+        for seg in self._spool.segments():
+            if seg >= current or self._seg_unacked[seg] > 0:
+                break
+            self._spool.delete_segment(seg)
+            self._seg_unacked.pop(seg, None)
+
+    def _roll_with_snapshot(self) -> None:
+        self._spool.roll()
+        snapshot = {
+            "kind": "snapshot",
+            "open": {e: ep.next_step for e, ep in self.open.items()},
+            "closed": dict(self.closed),
+            "counters": self.counters.to_dict(),
+        }
+        self._spool.append(Message(MsgType.TRAJECTORY_CHUNK, meta=snapshot))
+        self._spool.commit()
+        self._trim()
+
+    def spool_segments(self) -> list[int]:
+        return self._spool.segments()
+
+    # ---------------------------------------------------------------- recovery
+
+    def recover(self) -> dict[str, int]:
+        """Rebuild open episodes and unacknowledged chunks from the spool."""
+        pending_ends: dict[str, tuple[str, dict[str, np.ndarray] | None]] = {}
+        acked: dict[str, int] = {}
+        first = True
+        records = 0
+        for pos, msg in self._spool.read():
+            records += 1
+            kind = msg.meta.get("kind")
+            if kind == "snapshot":
+                if first:
+                    for e, nxt in msg.meta["open"].items():
+                        self.open[e] = OpenEpisode(StepRows(e, "", 0, ""), next_step=int(nxt))
+                    self.closed.update({e: int(n) for e, n in msg.meta["closed"].items()})
+                    for k, v in msg.meta["counters"].items():
+                        setattr(self.counters, k, int(v))
+            elif kind == "steps":
+                arrays = {k: np.array(v) for k, v in msg.arrays.items()}
+                self._apply_steps_recovering(msg.meta, arrays, pos.segment)
+            elif kind == "end":
+                final = unpack("final_obs", msg.arrays)
+                pending_ends[msg.meta["episode"]] = (
+                    msg.meta["reason"],
+                    {k: np.array(v[0]) for k, v in final.items()} or None,
+                )
+            elif kind == "acked":
+                for cid, n in msg.meta["chunks"]:
+                    acked[cid] = int(n)
+            first = False
+        # Drop acknowledged steps, then re-cut chunks on the same boundaries as before.
+        acked_ranges: dict[str, list[tuple[int, int]]] = {}
+        for cid, n in acked.items():
+            episode, _, start = cid.rpartition(":")
+            acked_ranges.setdefault(episode, []).append((int(start), int(start) + n))
+        for episode, ep in self.open.items():
+            ranges = acked_ranges.get(episode, [])
+            steps = [int(s) for s in ep.rows.scalars["step"]]
+            keep = [i for i, s in enumerate(steps) if not any(a <= s < b for a, b in ranges)]
+            gone = [ep.segments[i] for i in range(len(steps)) if i not in set(keep)]
+            self._seg_unacked.subtract(Counter(gone))
+            ep.rows = ep.rows.select(keep)
+            ep.segments = [ep.segments[i] for i in keep]
+            # Every complete block but the newest becomes a chunk again.
+            while len(ep.rows) and (int(ep.rows.scalars["step"][-1]) // self.chunk_steps) != (
+                ep.rows.first_step // self.chunk_steps
+            ):
+                block = ep.rows.first_step // self.chunk_steps
+                n = sum(1 for s in ep.rows.scalars["step"] if int(s) // self.chunk_steps == block)
+                self._cut(ep, n)
+        for episode, (reason, final_obs) in pending_ends.items():
+            if episode in self.open:
+                self._close(episode, reason, final_obs)
+        # Snapshot placeholders for episodes with no steps left and no worker to return.
+        for e in [e for e, ep in self.open.items() if not ep.rows.worker]:
+            self.closed[e] = self.open.pop(e).next_step
+        summary = {
+            "records": records,
+            "open_episodes": len(self.open),
+            "chunks_to_resend": len(self._ready),
+            "acked_steps": self.counters.acked_steps,
+        }
+        log.info("spool recovered: %s", summary)
+        return summary
+
+    def _apply_steps_recovering(
+        self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray], segment: int
+    ) -> None:
+        # A snapshot placeholder (no worker yet) takes the worker, env and task of its
+        # first step record; episodes keep counting from the snapshot's next_step.
+        for i, episode in enumerate(meta["episodes"]):
+            ep = self.open.get(episode)
+            if ep is not None and not ep.rows.worker:
+                ep.rows = StepRows(episode, meta["worker"], int(arrays["env"][i]), meta["task"])
+        self._cutting = False  # cut after acks are applied, not while replaying
+        try:
+            self._apply_steps(meta, arrays, segment)
+        finally:
+            self._cutting = True
+
+    # -------------------------------------------------------------------- end
+
+    def drain(self) -> None:
+        """Interrupt open episodes and submit everything (the caller waits for acks)."""
+        self.interrupt()
+        self.pump()
+
+    def close(self) -> None:
+        self._spool.close()

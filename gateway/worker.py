@@ -1,0 +1,412 @@
+"""Env workers: host a batch of envs of one backend and stream it through a gateway.
+
+A worker registers its backend's :class:`~gateway.episode.EnvSpec` with the gateway
+(HELLO -> WELCOME, or ERROR ``spec_mismatch``), then loops: send an OBSERVATION (the
+new observations plus the results of the previous step), wait for the ACTION, step.
+While it waits it sends heartbeats; if the gateway stays silent past
+``gateway_timeout_s`` it reconnects by itself and resends its last observation with
+the previous step's observation and action attached (``prev/*``), so a restarted
+gateway can record that step; the gateway drops steps it already has.
+
+    python -m gateway.worker --connect tcp://127.0.0.1:5555 --backend mujoco_reach --num-envs 4
+
+Message layout (``K`` = num_envs)::
+
+    OBSERVATION  meta: uid, rtt_us, reset (bool)
+                 obs/<key> [K, ...], episode i64[K] and step i64[K] (of these
+                 observations), t_capture f64[K],
+                 has_prev bool[K], reward f32[K], terminated bool[K], truncated bool[K],
+                 success bool[K], final_obs/<key> [K, ...] (when an episode ended),
+                 prev/obs/<key>, prev/action, prev/policy_version, prev/t_action,
+                 prev/t_capture, prev/episode, prev/step (first message after a
+                 reconnect: the step this message completes)
+    ACTION       seq = the observation's seq; action [K, ...], policy_version i64[K];
+                 meta: acked (steps stored durably with this observation)
+    RESET        meta: seed, options  -> the worker resets every env and answers
+                 with an OBSERVATION whose meta has reset=True
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import zmq
+
+from gateway.episode import EpisodeBackend, Obs
+from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError, pack, recv, send, unpack
+from gateway.transport import CurveKeys, connect, make_socket
+
+log = logging.getLogger(__name__)
+
+EXIT_CONFIG = 2
+"""Exit status for errors a restart cannot fix (spec mismatch, bad options)."""
+
+
+class FatalWorkerError(Exception):
+    """The gateway refused this worker for a reason a restart cannot fix."""
+
+
+class EnvWorker:
+    """Runs one :class:`EpisodeBackend` behind a gateway."""
+
+    def __init__(
+        self,
+        backend: EpisodeBackend,
+        address: str,
+        *,
+        seed: int | None = 0,
+        uid: str | None = None,
+        heartbeat_s: float = 1.0,
+        gateway_timeout_s: float = 5.0,
+        keys: CurveKeys | None = None,
+        limits: Limits | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.address = address
+        self.seed = seed
+        self.uid = uid or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.heartbeat_s = heartbeat_s
+        self.gateway_timeout_s = gateway_timeout_s
+        self.keys = keys
+        self.limits = limits or Limits()
+        self._ctx = context or zmq.Context.instance()
+        self._sock: zmq.Socket[Any] | None = None
+        n = backend.num_envs
+        self._episode = np.zeros(n, dtype=np.int64)
+        self._step = np.zeros(n, dtype=np.int64)
+        self._seq = 0
+        self._last_obs_msg: Message | None = None
+        self._prev: dict[str, np.ndarray] | None = None
+        self._rtt_us = 0.0
+        self.acked_steps = 0
+        self.env_steps = 0
+        self.reconnects = 0
+        self.stop_event = threading.Event()
+
+    # --------------------------------------------------------------- connection
+
+    def _connect(self) -> zmq.Socket[Any]:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        sock = make_socket(self._ctx, zmq.DEALER, sndhwm=64, rcvhwm=64)
+        connect(sock, self.address, self.keys)
+        self._sock = sock
+        return sock
+
+    def _hello(self) -> dict[str, Any]:
+        """Register with the gateway (retrying until it answers); return WELCOME's meta."""
+        backoff = 0.2
+        while not self.stop_event.is_set():
+            sock = self._connect()
+            episodes = [self.episode_id(i) for i in range(self.backend.num_envs)]
+            meta = {
+                "role": "worker",
+                "uid": self.uid,
+                "spec": self.backend.spec.to_dict(),
+                "num_envs": self.backend.num_envs,
+                "resume": self._last_obs_msg is not None,
+                "episodes": episodes if self._last_obs_msg is not None else [],
+                "pid": os.getpid(),
+            }
+            send(sock, Message(MsgType.HELLO, meta=meta))
+            if sock.poll(int(self.gateway_timeout_s * 1000)):
+                reply = recv(sock, self.limits)
+                if reply.type is MsgType.WELCOME:
+                    return reply.meta
+                if reply.type is MsgType.ERROR:
+                    code, text = reply.meta.get("code"), reply.meta.get("message")
+                    if code in (ErrorCode.SPEC_MISMATCH.value, ErrorCode.BAD_REQUEST.value):
+                        raise FatalWorkerError(f"gateway refused this worker: [{code}] {text}")
+                    log.warning("gateway answered HELLO with [%s] %s; retrying", code, text)
+            else:
+                log.warning("no answer from gateway at %s; retrying", self.address)
+            self.stop_event.wait(backoff)
+            backoff = min(backoff * 2, 2.0)
+        raise FatalWorkerError("stopped before the gateway answered")
+
+    def episode_id(self, env: int) -> str:
+        return f"{self.uid}-{env}-{int(self._episode[env])}"
+
+    # ------------------------------------------------------------------ messages
+
+    def _obs_message(
+        self,
+        obs: Obs,
+        *,
+        reward: Any = None,
+        terminated: Any = None,
+        truncated: Any = None,
+        info: dict[str, Any] | None = None,
+        has_prev: bool,
+        reset: bool = False,
+    ) -> Message:
+        n = self.backend.num_envs
+        now = time.time()
+        arrays: dict[str, np.ndarray] = pack("obs", obs)
+        arrays["episode"] = self._episode.copy()
+        arrays["step"] = self._step.copy()
+        arrays["t_capture"] = np.full(n, now)
+        arrays["has_prev"] = np.full(n, has_prev)
+        arrays["reward"] = np.zeros(n, np.float32) if reward is None else np.asarray(reward, np.float32)
+        arrays["terminated"] = np.zeros(n, bool) if terminated is None else np.asarray(terminated, bool)
+        arrays["truncated"] = np.zeros(n, bool) if truncated is None else np.asarray(truncated, bool)
+        success = (info or {}).get("success")
+        arrays["success"] = np.zeros(n, bool) if success is None else np.asarray(success, bool)
+        final = (info or {}).get("final_obs")
+        if final is not None and np.any(arrays["terminated"] | arrays["truncated"]):
+            arrays.update(pack("final_obs", final))
+        self._seq += 1
+        return Message(
+            MsgType.OBSERVATION, seq=self._seq, meta={"uid": self.uid, "reset": reset}, arrays=arrays
+        )
+
+    def _with_prev(self, msg: Message) -> Message:
+        if self._prev is None:
+            return msg
+        arrays = dict(msg.arrays)
+        arrays.update({f"prev/{k}": v for k, v in self._prev.items()})
+        return Message(msg.type, seq=msg.seq, meta=msg.meta, arrays=arrays)
+
+    def _reset(self, seed: int | None, options: dict[str, Any] | None) -> Message:
+        obs, _ = self.backend.reset(seed=seed, options=options)
+        if self._last_obs_msg is not None:
+            self._episode += 1
+        self._step[:] = 0
+        self._prev = None
+        return self._obs_message(obs, has_prev=False, reset=True)
+
+    def _apply_action(self, obs_msg: Message, action_msg: Message) -> Message:
+        action = np.asarray(action_msg.arrays["action"])
+        n = self.backend.num_envs
+        version = np.asarray(action_msg.arrays.get("policy_version", np.zeros(n, np.int64)))
+        old_episode, old_step = self._episode.copy(), self._step.copy()
+        obs, reward, terminated, truncated, info = self.backend.step(action)
+        sent_obs = unpack("obs", obs_msg.arrays)
+        # Kept until the next action arrives: a restarted gateway needs it to record
+        # the step this observation completes.
+        self._prev = {
+            **pack("obs", {k: np.array(v) for k, v in sent_obs.items()}),
+            "action": np.array(action),
+            "policy_version": np.array(version, dtype=np.int64),
+            "t_action": np.full(n, float(action_msg.meta.get("t_action", time.time()))),
+            "t_capture": np.array(obs_msg.arrays["t_capture"]),
+            "episode": old_episode,
+            "step": old_step,
+        }
+        self.env_steps += n
+        done = np.asarray(terminated) | np.asarray(truncated)
+        self._step += 1
+        self._episode[done] += 1
+        self._step[done] = 0
+        return self._obs_message(
+            obs, reward=reward, terminated=terminated, truncated=truncated, info=info, has_prev=True
+        )
+
+    # ---------------------------------------------------------------------- loop
+
+    def run(self, *, max_steps: int | None = None) -> None:
+        """Serve until stopped, ``max_steps`` env steps, or a fatal refusal."""
+        welcome = self._hello()
+        if self._last_obs_msg is None:
+            self._last_obs_msg = self._reset(self.seed, None)
+        try:
+            self._serve(welcome, max_steps)
+        finally:
+            if self._sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    send(self._sock, Message(MsgType.BYE, meta={"uid": self.uid}), flags=zmq.NOBLOCK)
+                self._sock.close(linger=0)
+                self._sock = None
+
+    def _serve(self, welcome: dict[str, Any], max_steps: int | None) -> None:
+        if welcome.get("reset_required"):
+            self._last_obs_msg = self._reset(self.seed, None)
+        assert self._sock is not None and self._last_obs_msg is not None
+        outgoing = self._with_prev(self._last_obs_msg) if self.reconnects else self._last_obs_msg
+        while not self.stop_event.is_set():
+            if max_steps is not None and self.env_steps >= max_steps:
+                return
+            sent_at = time.perf_counter()
+            send(self._sock, outgoing)
+            reply = self._await_reply(outgoing.seq)
+            if reply is None:  # gateway silent: reconnect and resend with prev attached
+                self.reconnects += 1
+                welcome = self._hello()
+                if welcome.get("reset_required"):
+                    self._last_obs_msg = self._reset(self.seed, None)
+                    outgoing = self._last_obs_msg
+                else:
+                    outgoing = self._with_prev(self._last_obs_msg)
+                continue
+            if reply.type is MsgType.ACTION:
+                self._rtt_us = (time.perf_counter() - sent_at) * 1e6
+                self.acked_steps += int(reply.meta.get("acked", 0))
+                problems = (
+                    self.backend.spec.check_action(
+                        np.asarray(reply.arrays.get("action")), self.backend.num_envs
+                    )
+                    if "action" in reply.arrays
+                    else ["no action array"]
+                )
+                if problems:
+                    raise ProtocolError(
+                        ErrorCode.BAD_REQUEST, f"gateway sent a bad action: {'; '.join(problems)}"
+                    )
+                nxt = self._apply_action(self._last_obs_msg, reply)
+            elif reply.type is MsgType.RESET:
+                nxt = self._reset(reply.meta.get("seed"), reply.meta.get("options"))
+            else:  # COMMAND stop
+                return
+            nxt.meta["rtt_us"] = round(self._rtt_us, 1)
+            self._last_obs_msg = nxt
+            outgoing = nxt
+
+    def _await_reply(self, seq: int) -> Message | None:
+        """The gateway's answer to observation ``seq``; None when it went silent."""
+        assert self._sock is not None
+        last_heard = time.monotonic()
+        while not self.stop_event.is_set():
+            if not self._sock.poll(int(self.heartbeat_s * 1000)):
+                if time.monotonic() - last_heard > self.gateway_timeout_s:
+                    log.warning("gateway silent for %.1f s; reconnecting", time.monotonic() - last_heard)
+                    return None
+                send(self._sock, Message(MsgType.HEARTBEAT, meta={"uid": self.uid, "waiting": seq}))
+                continue
+            msg = recv(self._sock, self.limits)
+            last_heard = time.monotonic()
+            if msg.type is MsgType.HEARTBEAT:
+                continue
+            if msg.type is MsgType.ERROR:
+                code, text = msg.meta.get("code"), msg.meta.get("message")
+                if code == ErrorCode.NOT_REGISTERED.value:
+                    log.warning("gateway does not know this worker (restarted?); registering again")
+                    return None
+                raise FatalWorkerError(f"gateway error: [{code}] {text}")
+            if msg.type in (MsgType.ACTION, MsgType.RESET) and msg.seq == seq:
+                return msg
+            if msg.type is MsgType.COMMAND and msg.meta.get("cmd") == "stop":
+                self.stop_event.set()
+                return msg
+            log.debug("ignoring %s seq %d while waiting for %d", msg.type.name, msg.seq, seq)
+        return None
+
+
+# ------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loopgate worker",
+        description="Host a batch of envs and stream them through a gateway.",
+        epilog="example: loopgate worker --connect tcp://127.0.0.1:5555 --backend mujoco_reach --num-envs 4\n"
+        "         loopgate worker --config runs/x/config.yaml --endpoints runs/x/endpoints.json --index 0",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="experiment config (YAML); its env block chooses the backend")
+    p.add_argument("--endpoints", help="endpoints.json of a run (gives the gateway address)")
+    p.add_argument("--connect", help="gateway worker address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--backend", help="episode backend name (overrides the config)")
+    p.add_argument("--num-envs", type=int, help="envs in this worker (overrides the config)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend option")
+    p.add_argument(
+        "--index", type=int, default=0, help="worker index (seeds env i with seed + 1000*index + i)"
+    )
+    p.add_argument("--seed", type=int, help="base seed (overrides the config)")
+    p.add_argument("--max-steps", type=int, help="stop after this many env steps")
+    p.add_argument("--curve-keys", help="folder made by `loopgate keys`")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import json
+
+    import yaml
+
+    from gateway.config import ConfigError, load_config
+    from gateway.registry import make_backend
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    backend_name, num_envs, seed, options, heartbeat, timeout, curve = (
+        "mujoco_reach",
+        1,
+        0,
+        {},
+        1.0,
+        5.0,
+        args.curve_keys,
+    )
+    try:
+        if args.config:
+            cfg = load_config(args.config)
+            backend_name, num_envs, seed, options = (
+                cfg.env.backend,
+                cfg.env.num_envs,
+                cfg.env.seed,
+                dict(cfg.env.options),
+            )
+            heartbeat, timeout = cfg.gateway.heartbeat_s, cfg.gateway.worker_timeout_s
+            curve = curve or cfg.gateway.curve_keys
+        for text in args.option:
+            key, _, value = text.partition("=")
+            options[key] = yaml.safe_load(value)
+        backend_name = args.backend or backend_name
+        num_envs = args.num_envs or num_envs
+        seed = args.seed if args.seed is not None else seed
+        address = args.connect
+        if address is None and args.endpoints:
+            with open(args.endpoints) as f:
+                address = json.load(f)["gateway"]["workers"]
+        if address is None:
+            raise ConfigError("give --connect ADDRESS or --endpoints FILE")
+        backend = make_backend(
+            backend_name, num_envs=num_envs, seed=seed + 1000 * args.index, options=options
+        )
+    except (ConfigError, ValueError) as exc:
+        log.error("%s", exc)
+        return EXIT_CONFIG
+    worker = EnvWorker(
+        backend,
+        address,
+        seed=seed + 1000 * args.index,
+        heartbeat_s=heartbeat,
+        gateway_timeout_s=max(timeout, 3 * heartbeat),
+        keys=CurveKeys.load(curve) if curve else None,
+    )
+
+    def _stop(signum: int, frame: Any) -> None:
+        worker.stop_event.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        worker.run(max_steps=args.max_steps)
+    except FatalWorkerError as exc:
+        log.error("%s", exc)
+        return EXIT_CONFIG
+    finally:
+        backend.close()
+    log.info(
+        "worker %s stopped after %d env steps (%d acknowledged)",
+        worker.uid,
+        worker.env_steps,
+        worker.acked_steps,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
