@@ -76,7 +76,12 @@ class Histogram:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        return {"b": dict(self.counts), "n": self.n, "total": self.total, "max": self.max}
+        return {
+            "b": {str(k): v for k, v in self.counts.items()},
+            "n": self.n,
+            "total": self.total,
+            "max": self.max,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Histogram:

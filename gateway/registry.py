@@ -84,3 +84,21 @@ def experiment_spec(backend: str, options: dict[str, Any] | None = None) -> Any:
         return instance.spec
     finally:
         instance.close()
+
+
+PLANS: dict[str, str] = {
+    "gateway": "gateway.services:plan_gateway",
+    "env": "gateway.services:plan_workers",
+}
+"""Service plans by config block (see :mod:`gateway.services`), run in this order."""
+
+SUMMARY_HOOKS: dict[str, str] = {}
+"""By config block: ``func(cfg, run_dir, summary) -> None`` adding keys to ``summary.json``."""
+
+STORE_READERS: dict[str, str] = {}
+"""By config block (when enabled): ``func(cfg, run_dir) -> StoreCount`` reading back
+where the trajectories went; the default reads ``<run>/episodes``."""
+
+PREFLIGHT: dict[str, str] = {}
+"""By config block: ``func(cfg, spec) -> None`` raising ``ConfigError`` before any
+process starts (e.g. networks that do not fit the env spec)."""

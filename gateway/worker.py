@@ -241,6 +241,8 @@ class EnvWorker:
             sent_at = time.perf_counter()
             send(self._sock, outgoing)
             reply = self._await_reply(outgoing.seq)
+            if self.stop_event.is_set():
+                return
             if reply is None:  # gateway silent: reconnect and resend with prev attached
                 self.reconnects += 1
                 welcome = self._hello()

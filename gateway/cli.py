@@ -1,0 +1,64 @@
+"""The ``loopgate`` command: one entry point, one subcommand per process or tool.
+
+Subcommands are looked up lazily in :data:`COMMANDS` (``"module:main"``), so
+``loopgate doctor`` never imports MuJoCo and ``loopgate worker`` never imports torch.
+Every subcommand is also ``python -m <module>``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from gateway import __version__
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("gateway.supervisor:main", "start and supervise every process of an experiment"),
+    "gateway": ("gateway.hub:main", "run the gateway process"),
+    "worker": ("gateway.worker:main", "run an env worker (a batch of envs of one backend)"),
+    "bench": ("benchmarks.__main__:main", "measure the data path against raw baselines"),
+    "doctor": ("gateway.doctor:main", "show what is installed and what to install"),
+    "keys": ("gateway.keys:main", "make CURVE keys for binding beyond loopback"),
+}
+"""Subcommand -> (``module:function``, one-line description)."""
+
+USAGE = """usage: loopgate [--version] <command> [args]
+
+commands:
+{commands}
+
+examples:
+  loopgate up configs/reach_sim.yaml                 # the main job on this machine
+  loopgate up configs/reach_sim.yaml --max-env-steps 2000 --set policy.kind=reach_pd
+  loopgate bench --quick --json bench.json
+  loopgate doctor
+
+Run `loopgate <command> --help` for a command's options."""
+
+
+def usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [f"  {name.ljust(width)}  {text}" for name, (_, text) in COMMANDS.items()]
+    return USAGE.format(commands="\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        print(f"loopgate {__version__}")
+        return 0
+    name = args[0]
+    if name not in COMMANDS:
+        print(f"loopgate: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    target, _ = COMMANDS[name]
+    module_name, _, func = target.partition(":")
+    result = getattr(importlib.import_module(module_name), func)(args[1:])
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

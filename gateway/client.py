@@ -1,0 +1,211 @@
+"""Drive a running gateway from your own script, as a Gymnasium env.
+
+The gateway attaches the client to one env worker; resets and steps go to that worker's
+envs, and every step is recorded like any other (run with ``policy.kind: external`` so
+the experiment's policy leaves the workers to clients)::
+
+    from gateway.client import GatewayEnv, GatewayVectorEnv
+
+    env = GatewayEnv("tcp://127.0.0.1:5556")          # a worker with num_envs == 1
+    obs, info = env.reset(seed=0)
+    obs, reward, terminated, truncated, info = env.step(env.action_space.sample())
+
+    venv = GatewayVectorEnv("tcp://127.0.0.1:5556", num_envs=8)   # autoreset: same-step
+    obs, info = venv.reset(seed=0)
+
+The address is the gateway's ``clients`` endpoint (``endpoints.json`` of the run).
+Every call has a deadline (``timeout_s``) and raises :class:`~gateway.protocol.Timeout`
+instead of hanging; errors from the gateway arrive as
+:class:`~gateway.protocol.RemoteError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import zmq
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space
+
+from gateway.episode import EnvSpec
+from gateway.protocol import Message, MsgType, Timeout, raise_for_error, recv, send, unpack
+from gateway.transport import CurveKeys, connect, make_socket
+
+
+class _Connection:
+    """One attachment of a client to a worker through the gateway."""
+
+    def __init__(
+        self,
+        address: str,
+        num_envs: int | None,
+        *,
+        worker: str | None,
+        takeover: bool,
+        timeout_s: float,
+        keys: CurveKeys | None,
+        version: int,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.sock = make_socket(self._ctx, zmq.DEALER)
+        connect(self.sock, address, keys)
+        self._seq = 0
+        meta = {
+            "role": "client",
+            "num_envs": num_envs,
+            "worker": worker,
+            "takeover": takeover,
+            "version": version,
+        }
+        welcome = self.call(Message(MsgType.HELLO, meta=meta))
+        self.worker: str = welcome.meta["worker"]
+        self.num_envs: int = int(welcome.meta["num_envs"])
+        self.spec = EnvSpec.from_dict(welcome.meta["spec"])
+
+    def call(self, msg: Message) -> Message:
+        self._seq += 1
+        msg.seq = self._seq
+        send(self.sock, msg)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.sock.poll(int(remaining * 1000)):
+                raise Timeout(f"{msg.type.name}: no answer from the gateway within {self.timeout_s} s")
+            reply = recv(self.sock)
+            if reply.seq == self._seq:  # anything older answers a call that timed out
+                return raise_for_error(reply)
+
+    def close(self) -> None:
+        if not self.sock.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                send(self.sock, Message(MsgType.BYE), flags=zmq.NOBLOCK)
+            self.sock.close(linger=100)
+
+
+def _row(obs: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+    return {k: np.array(v[i]) for k, v in obs.items()}
+
+
+class GatewayEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
+    """One env of a gateway worker (``num_envs == 1``) as a ``gymnasium.Env``."""
+
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        worker: str | None = None,
+        takeover: bool = False,
+        timeout_s: float = 10.0,
+        keys: CurveKeys | None = None,
+        version: int = 0,
+    ) -> None:
+        self._conn = _Connection(
+            address, 1, worker=worker, takeover=takeover, timeout_s=timeout_s, keys=keys, version=version
+        )
+        self.spec_ = self._conn.spec
+        self.observation_space = self.spec_.observation_space()
+        self.action_space = self.spec_.action_space()
+        self.metadata = {"render_modes": [], "render_fps": self.spec_.control_hz}
+        self._next_obs: dict[str, np.ndarray] | None = None
+
+    @property
+    def worker(self) -> str:
+        return self._conn.worker
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        super().reset(seed=seed)
+        if seed is None and options is None and self._next_obs is not None:
+            # The worker reset this env already when its last episode ended.
+            obs, self._next_obs = self._next_obs, None
+            return obs, {}
+        reply = self._conn.call(Message(MsgType.RESET, meta={"seed": seed, "options": options}))
+        self._next_obs = None
+        return _row(unpack("obs", reply.arrays), 0), {}
+
+    def step(self, action: Any) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
+        batch = np.asarray(action, dtype=self.spec_.action.dtype).reshape((1, *self.spec_.action.shape))
+        reply = self._conn.call(Message(MsgType.STEP, arrays={"action": batch}))
+        a = reply.arrays
+        obs = _row(unpack("obs", a), 0)
+        terminated, truncated = bool(a["terminated"][0]), bool(a["truncated"][0])
+        info = {"success": bool(a["success"][0])}
+        if terminated or truncated:
+            self._next_obs = obs
+            final = unpack("final_obs", a)
+            obs = _row(final, 0) if final else obs
+        return obs, float(a["reward"][0]), terminated, truncated, info
+
+    def close(self) -> None:
+        self._conn.close()
+        super().close()
+
+
+class GatewayVectorEnv(VectorEnv[dict[str, np.ndarray], np.ndarray, np.ndarray]):
+    """All envs of a gateway worker as a ``gymnasium.vector.VectorEnv`` (same-step autoreset)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        num_envs: int | None = None,
+        worker: str | None = None,
+        takeover: bool = False,
+        timeout_s: float = 10.0,
+        keys: CurveKeys | None = None,
+        version: int = 0,
+    ) -> None:
+        self._conn = _Connection(
+            address,
+            num_envs,
+            worker=worker,
+            takeover=takeover,
+            timeout_s=timeout_s,
+            keys=keys,
+            version=version,
+        )
+        self.num_envs = self._conn.num_envs
+        spec = self._conn.spec
+        self.spec_ = spec
+        self.single_observation_space = spec.observation_space()
+        self.single_action_space = spec.action_space()
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_fps": spec.control_hz}
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        reply = self._conn.call(Message(MsgType.RESET, meta={"seed": seed, "options": options}))
+        return {k: np.array(v) for k, v in unpack("obs", reply.arrays).items()}, {}
+
+    def step(
+        self, actions: Any
+    ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        batch = np.asarray(actions, dtype=self.spec_.action.dtype).reshape(
+            (self.num_envs, *self.spec_.action.shape)
+        )
+        reply = self._conn.call(Message(MsgType.STEP, arrays={"action": batch}))
+        a = reply.arrays
+        obs = {k: np.array(v) for k, v in unpack("obs", a).items()}
+        terminated, truncated = np.array(a["terminated"]), np.array(a["truncated"])
+        info: dict[str, Any] = {"success": np.array(a["success"])}
+        done = terminated | truncated
+        final = unpack("final_obs", a)
+        if final and done.any():
+            # Gymnasium's same-step convention: final_obs per env, masked by _final_obs.
+            final_obs = np.empty(self.num_envs, dtype=object)
+            for i in range(self.num_envs):
+                final_obs[i] = _row(final, i) if done[i] else None
+            info["final_obs"], info["_final_obs"] = final_obs, done
+        return obs, np.array(a["reward"]), terminated, truncated, info
+
+    def close_extras(self, **kwargs: Any) -> None:
+        self._conn.close()

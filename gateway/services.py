@@ -1,0 +1,108 @@
+"""What ``loopgate up`` starts: one :class:`Service` per process, planned from the config.
+
+Each part of loopgate contributes its processes through a plan function registered in
+:data:`gateway.registry.PLANS` (``"module:function"``, imported only when the config has that part):
+``plan(cfg, run) -> list[Service]``. The core plans the gateway and the env workers;
+the inference, replay, trainer and console parts add theirs. A plan may also add
+addresses to ``run.endpoints`` (written to ``endpoints.json`` before anything starts,
+so a restarted process binds the same address and its peers find it again).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.config import ExperimentConfig
+from gateway.transport import endpoint
+
+
+@dataclass
+class Service:
+    """One supervised process."""
+
+    name: str
+    """Unique name; also the log file name (``logs/<name>.log``)."""
+    argv: list[str]
+    """Command line (``sys.executable -m package.role ...`` for loopgate's own processes)."""
+    order: int = 50
+    """Start order (low first) and reverse stop order."""
+    restart: bool = True
+    """Restart when it exits unexpectedly."""
+    required: bool = True
+    """The run fails when this service cannot be kept running."""
+    ready_timeout_s: float = 60.0
+    """How long to wait for the service to come up before starting the next group."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables."""
+    finishes: bool = False
+    """Exiting with status 0 is the service's normal end (e.g. a trainer that finished)."""
+
+
+@dataclass
+class RunContext:
+    """What plan functions need: the run folder, its config path and endpoints."""
+
+    run_dir: Path
+    config_path: Path
+    endpoints: dict[str, Any]
+    log_level: str = "INFO"
+
+    def module(self, module: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", module, *args, "--log-level", self.log_level]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def address(cfg: ExperimentConfig, run: RunContext, name: str, port: int) -> str:
+    """An address for a service socket under the gateway's transport settings."""
+    g = cfg.gateway
+    if g.transport == "tcp" and port == 0:
+        port = free_port(g.host if g.host != "0.0.0.0" else "127.0.0.1")
+    ipc_dir = run.run_dir / "ipc"
+    if g.transport == "ipc":
+        ipc_dir.mkdir(parents=True, exist_ok=True)
+    return endpoint(g.transport, g.host, port, ipc_dir, name)
+
+
+def plan_gateway(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
+    g = cfg.gateway
+    run.endpoints["gateway"] = {
+        "workers": address(cfg, run, "workers", g.worker_port),
+        "clients": address(cfg, run, "clients", g.client_port),
+        "control": address(cfg, run, "control", g.control_port),
+    }
+    argv = run.module(
+        "gateway.hub",
+        "--config",
+        str(run.config_path),
+        "--run-dir",
+        str(run.run_dir),
+        "--spec",
+        str(run.run_dir / "spec.json"),
+    )
+    return [Service(name="gateway", argv=argv, order=20, ready_timeout_s=30.0)]
+
+
+def plan_workers(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
+    services = []
+    for index in range(cfg.env.workers):
+        argv = run.module(
+            "gateway.worker",
+            "--config",
+            str(run.config_path),
+            "--endpoints",
+            str(run.run_dir / "endpoints.json"),
+            "--index",
+            str(index),
+        )
+        services.append(Service(name=f"worker-{index}", argv=argv, order=40))
+    return services

@@ -1,0 +1,391 @@
+"""``loopgate up CONFIG``: start, watch and stop every process of an experiment.
+
+    loopgate up configs/reach_sim.yaml --max-env-steps 20000 --set env.workers=2
+
+1. load and validate the config (``--set block.key=value`` overrides), compute the
+   env spec and run the preflight checks, so a bad config fails before anything starts;
+2. create the run folder (``--run-dir``, default ``runs/<name>-<time>``) with the
+   resolved ``config.yaml``, ``spec.json`` and ``endpoints.json``;
+3. start the planned services (:mod:`gateway.services`) in order, each logging to
+   ``logs/<name>.log``; restart one that crashes (up to ``run.max_restarts`` times, with
+   backoff; a process exiting with status 2 has a config problem and is not restarted);
+4. show a progress bar and a live status table, and append to ``metrics.jsonl``;
+5. stop when the step budget is reached, a finishing service (the trainer) is done, or
+   on Ctrl-C: drain the gateway (open episodes are closed as interrupted and flushed),
+   stop services in reverse order, then read the store back and write ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from gateway.config import ConfigError, ExperimentConfig, load_config
+from gateway.live import LiveView
+from gateway.metrics import Histogram, MetricsWriter
+from gateway.protocol import Message, MsgType, RemoteError, Timeout, raise_for_error, recv, send
+from gateway.registry import PLANS, PREFLIGHT, STORE_READERS, SUMMARY_HOOKS, experiment_spec, resolve
+from gateway.services import RunContext, Service
+from gateway.store import EpisodeStore
+from gateway.trajectory import StoreCount
+from gateway.transport import CurveKeys, connect, make_socket
+
+log = logging.getLogger("loopgate.up")
+
+EXIT_CONFIG = 2
+
+
+class ControlClient:
+    """Request/reply over a gateway's control socket, with deadlines."""
+
+    def __init__(self, address: str, keys: CurveKeys | None = None) -> None:
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.address, self.keys = address, keys
+        self._sock: zmq.Socket[Any] | None = None
+        self._seq = 0
+
+    def request(self, cmd: str, timeout_s: float = 2.0, **meta: Any) -> dict[str, Any]:
+        if self._sock is None:
+            self._sock = make_socket(self._ctx, zmq.DEALER)
+            connect(self._sock, self.address, self.keys)
+        self._seq += 1
+        send(self._sock, Message(MsgType.COMMAND, seq=self._seq, meta={"cmd": cmd, **meta}))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(int(remaining * 1000)):
+                # Drop the socket so a late answer cannot be taken for the next one.
+                self._sock.close(linger=0)
+                self._sock = None
+                raise Timeout(f"{cmd}: no answer from {self.address} within {timeout_s} s")
+            reply = recv(self._sock)
+            if reply.seq == self._seq:
+                return raise_for_error(reply).meta
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+
+@dataclass
+class Proc:
+    service: Service
+    popen: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    state: str = "pending"
+    next_start: float = 0.0
+    last_exit: int | None = None
+
+    def describe(self) -> dict[str, Any]:
+        pid = self.popen.pid if self.popen is not None and self.popen.poll() is None else None
+        detail = f"exit {self.last_exit}" if self.last_exit is not None else ""
+        return {
+            "name": self.service.name,
+            "state": self.state,
+            "pid": pid,
+            "restarts": self.restarts,
+            "detail": detail,
+        }
+
+
+class Supervisor:
+    def __init__(self, cfg: ExperimentConfig, run: RunContext, services: list[Service]) -> None:
+        self.cfg, self.run = cfg, run
+        self.procs = {s.name: Proc(s) for s in sorted(services, key=lambda s: s.order)}
+        self.logs = run.run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.failed: str | None = None
+        self.finished = False
+
+    def start(self, proc: Proc) -> None:
+        s = proc.service
+        log_file = open(self.logs / f"{s.name}.log", "ab")  # noqa: SIM115 - owned by the child process
+        env = {**os.environ, **s.env, "PYTHONUNBUFFERED": "1"}
+        # Own session: Ctrl-C reaches only the supervisor, which stops children in order.
+        proc.popen = subprocess.Popen(
+            s.argv,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=os.getcwd(),
+        )
+        log_file.close()
+        proc.state = "running"
+        log.debug("started %s (pid %d): %s", s.name, proc.popen.pid, " ".join(s.argv))
+
+    def start_all(self, ready: Any) -> None:
+        """Start services group by group (same ``order``), waiting for ``ready(group)``."""
+        groups: dict[int, list[Proc]] = {}
+        for proc in self.procs.values():
+            groups.setdefault(proc.service.order, []).append(proc)
+        for order in sorted(groups):
+            for proc in groups[order]:
+                self.start(proc)
+            timeout = max(p.service.ready_timeout_s for p in groups[order])
+            deadline = time.monotonic() + timeout
+            while not ready(groups[order]):
+                self.supervise()
+                if self.failed:
+                    return
+                if time.monotonic() > deadline:
+                    self.failed = (
+                        f"{', '.join(p.service.name for p in groups[order])} not ready within {timeout:.0f} s"
+                    )
+                    return
+                time.sleep(0.1)
+
+    def supervise(self) -> None:
+        now = time.monotonic()
+        for proc in self.procs.values():
+            if proc.state == "backoff" and now >= proc.next_start:
+                self.start(proc)
+                continue
+            if proc.popen is None or proc.state != "running":
+                continue
+            code = proc.popen.poll()
+            if code is None:
+                continue
+            proc.last_exit = code
+            s = proc.service
+            if code == 0 and s.finishes:
+                proc.state = "finished"
+                self.finished = True
+                log.info("%s finished", s.name)
+            elif code == EXIT_CONFIG:
+                proc.state = "failed"
+                self.failed = f"{s.name} refused to run (exit 2): {self.tail(s.name)}"
+            elif s.restart and proc.restarts < self.cfg.run.max_restarts:
+                proc.restarts += 1
+                proc.state = "backoff"
+                proc.next_start = now + min(0.5 * 2 ** (proc.restarts - 1), 5.0)
+                log.warning(
+                    "%s exited with %d; restart %d/%d", s.name, code, proc.restarts, self.cfg.run.max_restarts
+                )
+            else:
+                proc.state = "failed"
+                if s.required:
+                    self.failed = (
+                        f"{s.name} exited with {code} after {proc.restarts} restart(s): {self.tail(s.name)}"
+                    )
+
+    def tail(self, name: str, lines: int = 5) -> str:
+        path = self.logs / f"{name}.log"
+        if not path.exists():
+            return ""
+        text = path.read_text(errors="replace").strip().splitlines()
+        return " | ".join(text[-lines:])
+
+    def stop(self, names: list[str] | None = None, timeout_s: float = 10.0) -> None:
+        """SIGTERM in reverse start order, then SIGKILL what is left after ``timeout_s``."""
+        procs = [p for p in reversed(list(self.procs.values())) if names is None or p.service.name in names]
+        for proc in procs:
+            if proc.popen is not None and proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+            if proc.state in ("running", "backoff"):
+                proc.state = "stopping"
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            if proc.popen is None:
+                continue
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", proc.service.name)
+                proc.popen.kill()
+                proc.popen.wait()
+            proc.state = "stopped" if proc.state == "stopping" else proc.state
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [p.describe() for p in self.procs.values()]
+
+
+# ---------------------------------------------------------------------- planning
+
+
+def default_run_dir(cfg: ExperimentConfig) -> Path:
+    return Path(cfg.run.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def prepare_run(
+    cfg: ExperimentConfig, run_dir: Path, log_level: str
+) -> tuple[RunContext, list[Service], Any]:
+    """Preflight checks, run folder files and the service plan; nothing started yet."""
+    spec = experiment_spec(cfg.env.backend, dict(cfg.env.options))
+    for block, _ in PREFLIGHT.items():
+        if cfg.has(block):
+            resolve(PREFLIGHT, block, "preflight check")(cfg, spec)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    cfg.dump(config_path)
+    (run_dir / "spec.json").write_text(json.dumps(spec.to_dict(), indent=2))
+    run = RunContext(
+        run_dir=run_dir.resolve(), config_path=config_path.resolve(), endpoints={}, log_level=log_level
+    )
+    services: list[Service] = []
+    for block in PLANS:
+        if block in ("gateway", "env") or cfg.has(block):
+            services.extend(resolve(PLANS, block, "service plan")(cfg, run))
+    (run_dir / "endpoints.json").write_text(json.dumps(run.endpoints, indent=2))
+    return run, services, spec
+
+
+def count_store(cfg: ExperimentConfig, run_dir: Path) -> StoreCount:
+    for block in STORE_READERS:
+        if cfg.has(block) and getattr(getattr(cfg, block), "enabled", False):
+            return resolve(STORE_READERS, block, "store reader")(cfg, run_dir)  # type: ignore[no-any-return]
+    return EpisodeStore(run_dir / "episodes", readonly=True).count()
+
+
+def write_summary(
+    cfg: ExperimentConfig, run_dir: Path, status: dict[str, Any], elapsed: float, outcome: str
+) -> dict[str, Any]:
+    count = count_store(cfg, run_dir)
+    acked = int(status.get("acked_steps", 0))
+    rtt = Histogram.from_dict(status.get("rtt", {}))
+    env_steps = int(status.get("env_steps", 0))
+    summary: dict[str, Any] = {
+        "outcome": outcome,
+        "env_steps": env_steps,
+        "episodes": count.completed_episodes + count.interrupted_episodes,
+        "completed_episodes": count.completed_episodes,
+        "interrupted_episodes": count.interrupted_episodes,
+        "successful_episodes": count.successful_episodes,
+        "acked_steps": acked,
+        "stored_steps": count.stored_steps,
+        "lost_steps": max(0, acked - count.stored_steps),
+        "duplicate_steps": count.duplicate_steps,
+        "steps_per_s": round(env_steps / elapsed, 1) if elapsed > 0 else 0.0,
+        "rtt_p50_us": round(rtt.percentile(50), 1),
+        "rtt_p99_us": round(rtt.percentile(99), 1),
+        "wall_s": round(elapsed, 1),
+        "protocol_errors": status.get("errors", {}),
+    }
+    for block in SUMMARY_HOOKS:
+        if cfg.has(block):
+            resolve(SUMMARY_HOOKS, block, "summary hook")(cfg, run_dir, summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+# -------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loopgate up",
+        description="Start and supervise every process of an experiment; write a run folder.",
+        epilog="example: loopgate up configs/reach_sim.yaml --max-env-steps 5000 --set env.workers=2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", help="experiment config (YAML)")
+    p.add_argument("--run-dir", help="run folder (default: runs/<config name>-<time>)")
+    p.add_argument("--max-env-steps", type=int, help="stop after this many recorded env steps")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="BLOCK.KEY=VALUE", help="override a config key"
+    )
+    p.add_argument("--log-level", default=None, help="log level of every process (default: run.log_level)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = list(args.set)
+    if args.max_env_steps is not None:
+        overrides.append(f"run.max_env_steps={args.max_env_steps}")
+    logging.basicConfig(
+        level=(args.log_level or "INFO").upper(), format="%(asctime)s %(levelname)s %(message)s"
+    )
+    try:
+        cfg = load_config(args.config, overrides)
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+        run, services, _ = prepare_run(cfg, run_dir, (args.log_level or cfg.run.log_level).upper())
+    except ConfigError as exc:
+        log.error("invalid config: %s", exc)
+        return EXIT_CONFIG
+    log.info("run folder: %s", run.run_dir)
+    keys = CurveKeys.load(cfg.gateway.curve_keys) if cfg.gateway.curve_keys else None
+    control = ControlClient(run.endpoints["gateway"]["control"], keys)
+    sup = Supervisor(cfg, run, services)
+    metrics = MetricsWriter(run.run_dir / "metrics.jsonl", "up")
+    interrupted = {"n": 0}
+
+    def _sigint(signum: int, frame: Any) -> None:
+        interrupted["n"] += 1
+        if interrupted["n"] > 1:
+            log.warning("second interrupt: killing everything")
+            sup.stop(timeout_s=0.5)
+            os._exit(130)
+
+    signal.signal(signal.SIGINT, _sigint)
+    signal.signal(signal.SIGTERM, _sigint)
+    status: dict[str, Any] = {}
+    started = time.monotonic()
+
+    def ready(group: list[Proc]) -> bool:
+        if any(p.service.name == "gateway" for p in group):
+            try:
+                control.request("status", timeout_s=0.5)
+            except (Timeout, RemoteError):
+                return False
+        return True
+
+    outcome = "completed"
+    try:
+        sup.start_all(ready)
+        collect_start = time.monotonic()
+        with LiveView(cfg.name, cfg.run.max_env_steps) as view:
+            while not sup.failed and not interrupted["n"]:
+                sup.supervise()
+                # A timeout means the gateway is restarting; the supervisor brings it back.
+                with contextlib.suppress(Timeout):
+                    status = control.request("status", timeout_s=2.0)
+                view.update(status, sup.describe(), {})
+                record = {k: v for k, v in status.items() if k not in ("spec", "rtt", "workers")}
+                metrics.emit({"services": {p["name"]: p["state"] for p in sup.describe()}, **record})
+                if status.get("budget_reached") or sup.finished:
+                    break
+                time.sleep(cfg.run.status_interval_s)
+        if sup.failed:
+            outcome = "failed"
+            log.error("run failed: %s", sup.failed)
+        elif interrupted["n"]:
+            outcome = "interrupted"
+            log.info("interrupted: draining and stopping")
+        elapsed = time.monotonic() - collect_start
+        status = drain(control, cfg, status)
+    finally:
+        sup.stop(timeout_s=cfg.run.drain_timeout_s)
+        control.close()
+        metrics.close()
+    summary = write_summary(cfg, run.run_dir, status, max(elapsed, 1e-9), outcome)
+    log.info("summary: %s", json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}))
+    log.info("wrote %s (total %.1f s)", run.run_dir / "summary.json", time.monotonic() - started)
+    return 0 if outcome == "completed" else (130 if outcome == "interrupted" else 1)
+
+
+def drain(control: ControlClient, cfg: ExperimentConfig, status: dict[str, Any]) -> dict[str, Any]:
+    """Pause collection and flush the gateway; return its final status."""
+    try:
+        control.request("pause", timeout_s=5.0)
+        return control.request("drain", timeout_s=cfg.run.drain_timeout_s)
+    except (Timeout, RemoteError) as exc:
+        log.error("gateway did not drain (%s); counting what reached the store", exc)
+        return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
