@@ -94,7 +94,6 @@ def _row(obs: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
 class GatewayEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
     """One env of a gateway worker (``num_envs == 1``) as a ``gymnasium.Env``."""
 
-
     def __init__(
         self,
         address: str,

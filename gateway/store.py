@@ -60,17 +60,25 @@ class TrajectorySink(abc.ABC):
 
 
 class EpisodeStore:
-    """A durable local log of trajectory chunks."""
+    """A durable local log of trajectory chunks; storing a chunk id twice is a no-op."""
 
     def __init__(
         self, directory: str | Path, *, fsync: FsyncPolicy = "interval", readonly: bool = False
     ) -> None:
         self.directory = Path(directory)
         self._log = SegmentLog(self.directory, fsync=fsync, readonly=readonly)
+        self._ids: set[str] = set()
+        if not readonly:
+            self._ids = {msg.meta["chunk_id"] for msg in self.chunks()}
 
-    def put(self, chunk: Message) -> None:
+    def put(self, chunk: Message) -> bool:
+        """Store ``chunk`` unless its id is stored already; return whether it was new."""
         validate_chunk(chunk)
+        if chunk.meta["chunk_id"] in self._ids:
+            return False
         self._log.append(chunk)
+        self._ids.add(chunk.meta["chunk_id"])
+        return True
 
     def commit(self) -> None:
         self._log.commit()

@@ -1,0 +1,78 @@
+"""Experiment configs: loading, overrides, and errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, from_dict, load_config, parse_override
+
+pytestmark = pytest.mark.unit
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_reach_sim_loads_with_every_block():
+    cfg = load_config(CONFIGS / "reach_sim.yaml")
+    assert cfg.env.backend == "mujoco_reach" and cfg.name == "reach_sim"
+    for block in ("env", "policy", "gateway", "run"):
+        assert cfg.has(block)
+
+
+def test_overrides_address_block_dot_key_and_parse_yaml_values():
+    cfg = load_config(
+        CONFIGS / "reach_sim.yaml",
+        ["env.num_envs=3", "gateway.limits.max_frames=64", "env.options.camera=true"],
+    )
+    assert cfg.env.num_envs == 3
+    assert cfg.gateway.limits.max_frames == 64
+    assert cfg.env.options["camera"] is True
+
+
+def test_round_trip_through_dump(tmp_path):
+    cfg = load_config(CONFIGS / "reach_sim.yaml")
+    cfg.dump(tmp_path / "c.yaml")
+    again = load_config(tmp_path / "c.yaml")
+    assert again.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"env": {"num_envs": 0}}, "env.num_envs"),
+        ({"env": {"num_envs": "four"}}, "env.num_envs"),
+        ({"env": {"backend": "nope"}}, "env.backend"),
+        ({"env": {"colour": 3}}, "env: unknown key(s) colour"),
+        ({"policy": {"kind": "clever"}}, "policy.kind"),
+        ({"gateway": {"transport": "udp"}}, "gateway.transport"),
+        ({"gateway": {"worker_port": 70000}}, "gateway.worker_port"),
+        ({"gateway": {"host": "0.0.0.0"}}, "gateway.curve_keys"),
+        ({"gateway": {"limits": {"max_frames": -1}}}, "max_frames"),
+        ({"run": {"max_env_steps": 0}}, "run.max_env_steps"),
+        ({"run": {"log_level": "LOUD"}}, "run.log_level"),
+        ({"mystery": {}}, "unknown config block(s) mystery"),
+        ({"env": {"options": {"succes_radius": 0.1}}}, "env.options"),
+        ({"env": {"options": {"success_radius": -1.0}}}, "env.options.success_radius"),
+        ({"env": ["not", "a", "map"]}, "env: must be a mapping"),
+    ],
+)
+def test_invalid_config_names_the_field(data, field):
+    with pytest.raises(ConfigError) as info:
+        from_dict(data)
+    assert field in str(info.value)
+
+
+def test_bad_override_syntax_is_explained():
+    with pytest.raises(ConfigError, match="block.key=value"):
+        parse_override("num_envs")
+    with pytest.raises(ConfigError, match="must name a block and a field"):
+        parse_override("env=3")
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("env: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

@@ -1,0 +1,182 @@
+"""The gateway with real worker processes over real ZeroMQ sockets on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from gateway.protocol import PROTOCOL_VERSION, Message, MsgType, encode, recv, send
+from gateway.store import EpisodeStore
+from tests.conftest import log_of, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def steps(run) -> int:
+    return int(run.status()["env_steps"])
+
+
+def raw_peer(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(address)
+    return sock
+
+
+def test_every_acknowledged_step_reaches_the_store(gateway_run):
+    run = gateway_run()
+    workers = [run.worker(0), run.worker(1)]
+    wait_for(lambda: steps(run) >= 600, what="600 env steps")
+    final = run.drain()
+    assert all(w.poll() is None for w in workers)
+    count = EpisodeStore(run.run_dir / "episodes", readonly=True).count()
+    assert final["acked_steps"] == count.stored_steps >= 600
+    assert count.duplicate_steps == 0
+    assert count.completed_episodes >= 8  # 50-step episodes, 8 envs
+
+
+MALFORMED_FRAMES = {
+    "bad_header": [b"\x00garbage"],
+    "bad_version": [msgpack.packb({"v": PROTOCOL_VERSION + 7, "t": 5})],
+    "unknown_type": [msgpack.packb({"v": PROTOCOL_VERSION, "t": 4242})],
+    "truncated": [msgpack.packb({"v": PROTOCOL_VERSION, "t": 5, "a": [["x", "float32", [8]]]})],
+    "bad_dtype": [msgpack.packb({"v": PROTOCOL_VERSION, "t": 5, "a": [["x", "object", [1]]]}), b"x" * 8],
+    "length_mismatch": [
+        msgpack.packb({"v": PROTOCOL_VERSION, "t": 5, "a": [["x", "float32", [4]]]}),
+        b"x" * 3,
+    ],
+    "too_large": [msgpack.packb({"v": PROTOCOL_VERSION, "t": 5, "a": [["x", "uint8", [1 << 40]]]}), b"x"],
+    "not_registered": encode(Message(MsgType.OBSERVATION, arrays={"obs/x": np.zeros(3, np.float32)})),
+}
+
+
+def test_malformed_messages_are_answered_counted_and_others_keep_streaming(gateway_run):
+    run = gateway_run()
+    worker = run.worker(0)
+    wait_for(lambda: steps(run) >= 100, what="worker streaming")
+    peer = raw_peer(run.endpoints["workers"])
+    try:
+        for _ in range(20):  # a sustained flood, not a single shot
+            for code, frames in MALFORMED_FRAMES.items():
+                peer.send_multipart(frames)
+                assert peer.poll(5000), f"no answer to {code}"
+                answer = recv(peer)
+                assert answer.type is MsgType.ERROR
+                assert answer.meta["code"] == code, answer.meta
+                assert answer.meta["message"]
+        before = steps(run)
+        wait_for(lambda: steps(run) >= before + 200, what="the good worker to keep stepping after the flood")
+        status = run.status()
+        for code in MALFORMED_FRAMES:
+            assert status["errors"][code] == 20
+        # A HELLO with a malformed spec is refused with a reason, too.
+        send(peer, Message(MsgType.HELLO, meta={"uid": "x", "num_envs": 1, "spec": {"name": "reach"}}))
+        assert peer.poll(5000)
+        answer = recv(peer)
+        assert answer.meta["code"] == "bad_request" and "spec" in answer.meta["message"]
+    finally:
+        peer.close()
+    assert worker.poll() is None
+    final = run.drain()
+    assert EpisodeStore(run.run_dir / "episodes", readonly=True).count().stored_steps == final["acked_steps"]
+
+
+def test_a_worker_whose_spec_differs_is_refused_with_the_difference(gateway_run):
+    run = gateway_run()
+    worker = run.worker(0, "--option", "max_episode_steps=20")
+    assert worker.wait(timeout=60) == 2
+    text = log_of(worker)
+    assert "spec_mismatch" in text and "episode limit 20 != 50" in text
+    assert run.status()["errors"]["spec_mismatch"] >= 1
+
+
+def test_unknown_backend_is_a_clear_error_naming_the_field(procs, tmp_path):
+    proc = procs.spawn("-m", "gateway.worker", "--connect", "tcp://127.0.0.1:1", "--backend", "warp_drive")
+    assert proc.wait(timeout=60) == 2
+    assert "unknown backend 'warp_drive'" in log_of(proc)
+
+
+def test_worker_killed_mid_episode_leaves_interrupted_episodes_with_their_steps(gateway_run):
+    run = gateway_run()
+    victim, survivor = run.worker(0), run.worker(1)
+    wait_for(lambda: steps(run) >= 300, what="steps before the kill")
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    wait_for(
+        lambda: run.status()["episodes_interrupted"] >= 4, timeout=30, what="episodes closed as interrupted"
+    )
+    before = steps(run)
+    wait_for(lambda: steps(run) >= before + 100, what="the other worker to keep going")
+    assert survivor.poll() is None
+    final = run.drain()
+    store = EpisodeStore(run.run_dir / "episodes", readonly=True)
+    interrupted = [e for e in store.episodes() if e.end == "interrupted"]
+    assert len(interrupted) >= 4 and all(e.num_steps > 0 for e in interrupted)
+    count = store.count()
+    assert count.stored_steps == final["acked_steps"] and count.duplicate_steps == 0
+
+
+def test_gateway_killed_and_restarted_workers_reconnect_nothing_lost_or_doubled(gateway_run):
+    run = gateway_run()
+    workers = [run.worker(0), run.worker(1)]
+    wait_for(lambda: steps(run) >= 400, what="steps before the kill")
+    run.kill()
+    acked_before = None
+    run.start()
+    acked_before = run.status()["acked_steps"]
+    assert acked_before >= 400  # recovered from the spool
+    wait_for(lambda: steps(run) >= acked_before + 400, timeout=60, what="workers to reconnect and continue")
+    assert all(w.poll() is None for w in workers), "workers must reconnect by themselves, not restart"
+    final = run.drain()
+    count = EpisodeStore(run.run_dir / "episodes", readonly=True).count()
+    assert count.stored_steps == final["acked_steps"]
+    assert count.duplicate_steps == 0
+    assert sum("reconnecting" in log_of(w) or "registering again" in log_of(w) for w in workers) == 2
+
+
+def test_curve_keys_admit_the_right_peer_and_refuse_others(gateway_run, tmp_path):
+    from gateway.transport import make_keys
+
+    keys = make_keys(tmp_path / "keys")
+    run = gateway_run(
+        {
+            "env": {"backend": "mujoco_reach", "num_envs": 2},
+            "policy": {"kind": "random"},
+            "gateway": {"curve_keys": str(keys)},
+        }
+    )
+    worker = run.worker(0)
+    wait_for(lambda: steps(run) >= 100, what="a keyed worker streaming")
+    hello = Message(MsgType.HELLO, meta={"uid": "intruder", "num_envs": 1, "spec": {}})
+    plain = raw_peer(run.endpoints["workers"])
+    wrong = zmq.Context.instance().socket(zmq.DEALER)
+    wrong.linger = 0
+    pub, sec = zmq.curve_keypair()
+    wrong.curve_publickey, wrong.curve_secretkey = pub, sec
+    wrong.curve_serverkey = (keys / "server.key").read_bytes().split(b'public-key = "')[1].split(b'"')[0]
+    wrong.connect(run.endpoints["workers"])
+    try:
+        for peer in (plain, wrong):
+            send(peer, hello)
+            assert not peer.poll(1500), "a peer without an authorized key got an answer"
+    finally:
+        plain.close()
+        wrong.close()
+    assert worker.poll() is None
+    assert [w["uid"] for w in run.status()["workers"]] == [run.status()["workers"][0]["uid"]]
+
+
+def test_binding_beyond_loopback_without_keys_is_refused():
+    from gateway.transport import bind
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        with pytest.raises(ValueError, match="CURVE"):
+            bind(sock, "tcp://0.0.0.0:0")
+    finally:
+        sock.close(linger=0)

@@ -1,0 +1,197 @@
+"""The wire protocol: round trips, and a clear typed error for every malformed input."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from gateway.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Limits,
+    Message,
+    MsgType,
+    ProtocolError,
+    RemoteError,
+    decode,
+    encode,
+    error_message,
+    raise_for_error,
+    recv,
+    send,
+)
+
+pytestmark = pytest.mark.unit
+
+DTYPES = [
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+]
+meta_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=10,
+)
+arrays = st.sampled_from(DTYPES).flatmap(
+    lambda dt: hnp.arrays(np.dtype(dt), hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5))
+)
+
+
+def header(**fields):
+    base = {"v": PROTOCOL_VERSION, "t": int(MsgType.OBSERVATION), "s": 1, "m": {}, "a": []}
+    base.update(fields)
+    return msgpack.packb(base, use_bin_type=True)
+
+
+@given(
+    st.sampled_from(list(MsgType)),
+    st.integers(0, 2**63 - 1),
+    st.dictionaries(st.text(max_size=10), meta_values, max_size=5),
+    st.dictionaries(st.text(min_size=1, max_size=12), arrays, max_size=5),
+)
+@settings(max_examples=200, deadline=None)
+def test_any_message_round_trips_exactly(msg_type, seq, meta, arrs):
+    msg = Message(msg_type, seq=seq, meta=meta, arrays=arrs)
+    out = decode(encode(msg))
+    assert out.type is msg_type and out.seq == seq and out.meta == meta
+    assert set(out.arrays) == set(arrs)
+    for key, arr in arrs.items():
+        got = out.arrays[key]
+        assert got.dtype == arr.dtype and got.shape == arr.shape
+        np.testing.assert_array_equal(got, arr)
+
+
+@given(st.lists(st.binary(max_size=64), min_size=0, max_size=6))
+@settings(max_examples=300, deadline=None)
+def test_random_bytes_only_ever_raise_protocol_error(frames):
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass
+
+
+@given(st.binary(min_size=0, max_size=200), st.integers(0, 4))
+@settings(max_examples=200, deadline=None)
+def test_mutated_valid_header_only_ever_raises_protocol_error(noise, position):
+    good = encode(Message(MsgType.ACTION, seq=3, arrays={"a": np.zeros((2, 3), np.float32)}))
+    head = bytearray(good[0])
+    head[position % len(head) : position % len(head) + len(noise)] = noise
+    try:
+        decode([bytes(head), *good[1:]])
+    except ProtocolError:
+        pass
+
+
+def test_arrays_are_received_without_copies():
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.linger = b.linger = 0
+    port = a.bind_to_random_port("tcp://127.0.0.1")
+    b.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        big = np.arange(1 << 18, dtype=np.float32)
+        send(a, Message(MsgType.OBSERVATION, arrays={"obs/x": big}))
+        assert b.poll(5000)
+        got = recv(b).arrays["obs/x"]
+        np.testing.assert_array_equal(got, big)
+        # A view of the received frame's buffer, not a private copy.
+        base = got
+        while isinstance(base, np.ndarray):
+            base = base.base
+        assert isinstance(base, memoryview) and isinstance(base.obj, zmq.Frame)
+    finally:
+        a.close()
+        b.close()
+
+
+MALFORMED = {
+    "empty message": ([], ErrorCode.TRUNCATED),
+    "not msgpack": ([b"\xc1\xc1\xc1"], ErrorCode.BAD_HEADER),
+    "header not a map": ([msgpack.packb([1, 2, 3])], ErrorCode.BAD_HEADER),
+    "wrong version": ([header(v=99)], ErrorCode.BAD_VERSION),
+    "missing version": ([msgpack.packb({"t": 5})], ErrorCode.BAD_VERSION),
+    "unknown type": ([header(t=999)], ErrorCode.UNKNOWN_TYPE),
+    "type not int": ([header(t="OBSERVATION")], ErrorCode.UNKNOWN_TYPE),
+    "seq not int": ([header(s="x")], ErrorCode.BAD_HEADER),
+    "meta not map": ([header(m=[1])], ErrorCode.BAD_HEADER),
+    "array table not list": ([header(a={"x": 1})], ErrorCode.BAD_HEADER),
+    "truncated multipart": ([header(a=[["x", "float32", [4]]])], ErrorCode.TRUNCATED),
+    "extra frame": ([header(), b"1234"], ErrorCode.TRUNCATED),
+    "bad array entry": ([header(a=[["x", "float32"]]), b""], ErrorCode.BAD_HEADER),
+    "object dtype": ([header(a=[["x", "object", [1]]]), b"12345678"], ErrorCode.BAD_DTYPE),
+    "unknown dtype": ([header(a=[["x", "complex128", [1]]]), b"0" * 16], ErrorCode.BAD_DTYPE),
+    "big-endian dtype": ([header(a=[["x", ">f4", [1]]]), b"0000"], ErrorCode.BAD_DTYPE),
+    "negative dim": ([header(a=[["x", "float32", [-1]]]), b""], ErrorCode.BAD_SHAPE),
+    "float dim": ([header(a=[["x", "float32", [1.5]]]), b"0000"], ErrorCode.BAD_SHAPE),
+    "too many dims": ([header(a=[["x", "uint8", [1] * 9]]), b"0"], ErrorCode.BAD_SHAPE),
+    "length mismatch": ([header(a=[["x", "float32", [3]]]), b"0" * 8], ErrorCode.LENGTH_MISMATCH),
+    "absurd shape": ([header(a=[["x", "float64", [2**40, 2**40]]]), b"0" * 8], ErrorCode.TOO_LARGE),
+    "duplicate key": (
+        [header(a=[["x", "uint8", [1]], ["x", "uint8", [1]]]), b"0", b"0"],
+        ErrorCode.BAD_HEADER,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_input_is_refused_with_its_code(name):
+    frames, code = MALFORMED[name]
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    assert info.value.code is code
+    assert info.value.message  # a sentence a person can act on
+
+
+def test_limits_refuse_oversize_frames_headers_and_messages():
+    small = Limits(max_frames=3, max_header_bytes=512, max_frame_bytes=1024, max_message_bytes=1500)
+    big = Message(MsgType.OBSERVATION, arrays={"x": np.zeros(2048, np.uint8)})
+    with pytest.raises(ProtocolError, match="over the frame limit") as info:
+        decode(encode(big), small)
+    assert info.value.code is ErrorCode.TOO_LARGE
+    many = Message(MsgType.OBSERVATION, arrays={str(i): np.zeros(1, np.uint8) for i in range(5)})
+    with pytest.raises(ProtocolError, match="frames is over") as info:
+        decode(encode(many), small)
+    two = Message(MsgType.OBSERVATION, arrays={"a": np.zeros(1000, np.uint8), "b": np.zeros(1000, np.uint8)})
+    with pytest.raises(ProtocolError, match="message is over"):
+        decode(encode(two), small)
+    with pytest.raises(ProtocolError, match="header of"):
+        decode(encode(Message(MsgType.OBSERVATION, meta={"k": "x" * 1000})), small)
+
+
+def test_object_arrays_cannot_be_sent():
+    with pytest.raises(ProtocolError) as info:
+        encode(Message(MsgType.OBSERVATION, arrays={"x": np.array([{"a": 1}], dtype=object)}))
+    assert info.value.code is ErrorCode.BAD_DTYPE
+
+
+def test_error_messages_raise_at_the_caller():
+    msg = decode(encode(error_message("spec_mismatch", "observation 'q' is missing", ref=7)))
+    with pytest.raises(RemoteError) as info:
+        raise_for_error(msg)
+    assert info.value.code == "spec_mismatch" and info.value.ref == 7 and "'q'" in info.value.message
+
+
+def test_limits_validate_their_fields():
+    with pytest.raises(ValueError, match="limits.max_frames"):
+        Limits(max_frames=0)
