@@ -6,6 +6,7 @@ happens; every wait has a deadline and fails the test instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -61,10 +62,8 @@ class Procs:
     def kill_all(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.wait(timeout=10)
 
 

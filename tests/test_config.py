@@ -63,7 +63,7 @@ def test_invalid_config_names_the_field(data, field):
 
 
 def test_bad_override_syntax_is_explained():
-    with pytest.raises(ConfigError, match="block.key=value"):
+    with pytest.raises(ConfigError, match=r"block\.key=value"):
         parse_override("num_envs")
     with pytest.raises(ConfigError, match="must name a block and a field"):
         parse_override("env=3")
