@@ -1,0 +1,77 @@
+# loopgate: two commands on a fresh machine.
+#   make demo   - the main job on this machine (MuJoCo reach, CPU inference)
+#   make test   - lint, type checks and every test layer
+# Both create .venv and install what they need; `make install` is idempotent.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# CPU machines must get PyTorch's CPU build: a plain `torch` from PyPI is a multi-GB
+# CUDA build. Local wheels (find-links) or PyTorch's CPU index provide it.
+TORCH_INDEX ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,$(if $(shell command -v nvidia-smi 2>/dev/null),,--extra-index-url https://download.pytorch.org/whl/cpu))
+EXTRAS ?= dev,train,export
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+PYTEST_ARGS ?=
+export MUJOCO_GL ?= egl
+
+.PHONY: install system-deps demo test lint typecheck test-unit test-conformance test-integration test-e2e bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# System libraries: Mesa EGL and OSMesa for headless MuJoCo rendering.
+system-deps:
+	@missing=""; \
+	for lib in libEGL.so.1 libOSMesa.so; do ldconfig -p | grep -q "$$lib" || missing="$$missing $$lib"; done; \
+	if [ -n "$$missing" ]; then \
+	  pkgs="libegl1 libgl1-mesa-dri libosmesa6"; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkgs; \
+	  elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkgs; \
+	  else echo "warning: missing$$missing; install: apt-get install $$pkgs (MuJoCo cameras need it)"; fi; \
+	fi
+
+$(STAMP): $(PY) pyproject.toml Makefile
+	$(MAKE) --no-print-directory system-deps
+	$(PIP) install --quiet $(TORCH_INDEX) "torch==2.13.0"
+	$(PIP) install --quiet $(TORCH_INDEX) -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/loopgate up configs/reach_sim.yaml
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+# pytest exits 5 when it collected nothing: that is a failure here, never a pass.
+define run_pytest
+	$(PY) -m pytest $(1) $(PYTEST_ARGS); code=$$?; \
+	if [ $$code -eq 5 ]; then echo "pytest collected no tests for: $(1)"; exit 1; fi; exit $$code
+endef
+
+test: lint typecheck
+	@$(call run_pytest,tests)
+
+test-unit: install
+	@$(call run_pytest,-m unit tests)
+test-conformance: install
+	@$(call run_pytest,-m conformance tests)
+test-integration: install
+	@$(call run_pytest,-m integration tests)
+test-e2e: install
+	@$(call run_pytest,-m e2e tests)
+
+bench: install
+	$(VENV)/bin/loopgate bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

