@@ -298,6 +298,19 @@ class EpisodeBackend(abc.ABC):
     def step(self, action: npt.NDArray[Any]) -> StepResult:
         """Apply one action per env and advance one control period."""
 
+    estopped: bool = False
+    """Whether an emergency stop is engaged (set by :meth:`estop`)."""
+
+    def estop(self, engaged: bool) -> None:
+        """Engage or release the emergency stop for every env of this backend.
+
+        Called from the worker the moment the gateway broadcasts an e-stop. Robot
+        backends override this to command a hold at once and refuse actions until
+        released; a simulator does not move between steps, and the gateway sends no
+        actions while the stop is engaged, so recording the state is all it needs.
+        """
+        self.estopped = engaged
+
     def close(self) -> None:
         """Release simulator or robot resources; idempotent."""
         return None

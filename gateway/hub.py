@@ -134,6 +134,8 @@ class Gateway:
         self.rtt = Histogram()
         self.gateway_us = Histogram()
         self.paused = False
+        self.estopped = False
+        self.estops = 0
         self.draining = False
         self.drain_replies: list[tuple[bytes, int]] = []
         self.stopping = False
@@ -158,7 +160,7 @@ class Gateway:
 
     @property
     def collecting(self) -> bool:
-        return not (self.paused or self.draining or self.budget_reached)
+        return not (self.paused or self.estopped or self.draining or self.budget_reached)
 
     @property
     def budget_reached(self) -> bool:
@@ -232,6 +234,9 @@ class Gateway:
         )
         welcome = {"uid": uid, "heartbeat_s": self.config.heartbeat_s, "reset_required": reset_required}
         send(self.workers_sock, Message(MsgType.WELCOME, seq=msg.seq, meta=welcome), route=[route])
+        if self.estopped:  # a robot joining during an e-stop must hold too
+            command = {"cmd": "estop", "engaged": True, "reason": "engaged before this worker joined"}
+            send(self.workers_sock, Message(MsgType.COMMAND, meta=command), route=[route])
 
     def _check_observation(self, session: WorkerSession, msg: Message) -> dict[str, np.ndarray]:
         assert self.spec is not None
@@ -440,6 +445,8 @@ class Gateway:
             "rtt": self.rtt.to_dict(),
             "errors": dict(self.errors),
             "paused": self.paused,
+            "estopped": self.estopped,
+            "estops": self.estops,
             "draining": self.draining,
             "budget_reached": self.budget_reached,
             "open_episodes": len(self.recorder.open),
@@ -504,13 +511,30 @@ class Gateway:
             self.max_env_steps = value
             self._resubmit_waiting()
             return {"max_env_steps": value}
+        if cmd == "estop":
+            return self.estop(bool(meta.get("engaged", True)), str(meta.get("reason", "")))
         if cmd == "shutdown":
             self.stopping = True
             return {"stopping": True}
         raise ProtocolError(
             ErrorCode.BAD_REQUEST,
-            f"unknown command {cmd!r} (status, pause, resume, set_budget, drain, shutdown)",
+            f"unknown command {cmd!r} (status, pause, resume, set_budget, estop, drain, shutdown)",
         )
+
+    def estop(self, engaged: bool, reason: str = "") -> dict[str, Any]:
+        """Engage or release the e-stop on every worker at once; no actions while engaged."""
+        self.estopped = engaged
+        if engaged:
+            self.estops += 1
+        command = Message(MsgType.COMMAND, meta={"cmd": "estop", "engaged": engaged, "reason": reason})
+        for session in self.sessions.values():
+            send(self.workers_sock, command, route=[session.route])
+        log.warning(
+            "e-stop %s (%s) on %d worker(s)", "engaged" if engaged else "released", reason, len(self.sessions)
+        )
+        if not engaged:
+            self._resubmit_waiting()
+        return {"estopped": engaged, "workers": len(self.sessions)}
 
     def _resubmit_waiting(self) -> None:
         if not self.collecting or self.source is None:

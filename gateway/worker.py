@@ -298,6 +298,15 @@ class EnvWorker:
                 raise FatalWorkerError(f"gateway error: [{code}] {text}")
             if msg.type in (MsgType.ACTION, MsgType.RESET) and msg.seq == seq:
                 return msg
+            if msg.type is MsgType.COMMAND and msg.meta.get("cmd") == "estop":
+                engaged = bool(msg.meta.get("engaged", True))
+                self.backend.estop(engaged)
+                log.warning(
+                    "e-stop %s by the gateway (%s)",
+                    "engaged" if engaged else "released",
+                    msg.meta.get("reason", ""),
+                )
+                continue
             if msg.type is MsgType.COMMAND and msg.meta.get("cmd") == "stop":
                 self.stop_event.set()
                 return msg

@@ -180,3 +180,21 @@ def test_binding_beyond_loopback_without_keys_is_refused():
             bind(sock, "tcp://0.0.0.0:0")
     finally:
         sock.close(linger=0)
+
+
+def test_estop_stops_every_worker_and_release_resumes(gateway_run):
+    run = gateway_run()
+    workers = [run.worker(0), run.worker(1)]
+    wait_for(lambda: len(run.status()["workers"]) == 2 and steps(run) > 200, what="two workers streaming")
+    reply = run.control.request("estop", engaged=True, reason="operator")
+    assert reply == {"estopped": True, "workers": 2}
+    halted = steps(run)
+    import time
+
+    time.sleep(1.0)
+    # At most the steps already in flight when the stop arrived are recorded after it.
+    assert steps(run) - halted <= 2 * 4
+    assert run.status()["estopped"] is True
+    wait_for(lambda: all("e-stop engaged" in log_of(w) for w in workers), what="workers to see the e-stop")
+    run.control.request("estop", engaged=False)
+    wait_for(lambda: steps(run) > halted + 200, what="collection to resume after release")
