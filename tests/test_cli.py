@@ -201,3 +201,26 @@ def test_keys_are_made_once_and_not_overwritten(tmp_path):
     ).exists()
     again = loopgate("keys", str(tmp_path / "k"))
     assert again.returncode == 2 and "refusing to overwrite" in again.stderr
+
+
+def test_up_over_ipc_sockets(tmp_path):
+    run = tmp_path / "run"
+    out = loopgate(
+        "up",
+        "configs/reach_sim.yaml",
+        "--run-dir",
+        str(run),
+        "--max-env-steps",
+        "800",
+        "--set",
+        "gateway.transport=ipc",
+        "--set",
+        "env.workers=1",
+        "--set",
+        "env.num_envs=4",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    endpoints = json.loads((run / "endpoints.json").read_text())["gateway"]
+    assert all(a.startswith("ipc://") for a in endpoints.values())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stored_steps"] == summary["acked_steps"] >= 800 and summary["lost_steps"] == 0
