@@ -1,0 +1,127 @@
+"""``loopgate bench``: the smoke run writes every promised record with sound ratios.
+
+The integration test runs the real command in a subprocess (a real gateway, the
+product's env worker and a raw ZeroMQ pair) and checks the JSON contract scripts
+rely on. It asserts nothing about speed: that is what the benchmark reports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import suites
+from benchmarks.records import Record, finish, select
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = ("64B", "4KiB", "150KiB")
+RTT_NAMES = {
+    f"{side}.rtt_{q}_us.{size}" for side in ("gateway", "zmq") for q in ("p50", "p99") for size in SIZES
+}
+CONTRACT_KEYS = {"name", "value", "unit", "baseline", "baseline_value", "ratio"}
+
+
+def run_bench(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """``loopgate bench ARGS``; stopped with SIGTERM (it then stops its own children) on timeout."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "bench", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"loopgate bench {' '.join(args)} ran past {timeout_s:.0f} s:\n{out[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+@pytest.mark.integration
+def test_quick_gateway_rtt_writes_every_record_with_its_baseline_and_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = run_bench("--quick", "--only", "gateway.rtt", "--json", str(out))
+    assert result.returncode == 0, result.stdout[-3000:]
+    records = json.loads(out.read_text())
+    by_name = {r["name"]: r for r in records}
+    assert len(by_name) == len(records), "duplicate record names"
+    missing = RTT_NAMES - set(by_name)
+    assert not missing, f"records missing: {sorted(missing)}"
+    # --only keeps what matches and the baselines it refers to, nothing else.
+    assert all("rtt" in name for name in by_name), sorted(by_name)
+    for r in records:
+        assert not CONTRACT_KEYS - set(r), r
+        assert isinstance(r["value"], (int, float)) and math.isfinite(r["value"]) and r["value"] > 0, r
+        assert r["unit"] == "us"
+        if r["name"].startswith("zmq."):
+            assert r["baseline"] is None and r["baseline_value"] is None and r["ratio"] is None, r
+        else:
+            base = by_name[r["baseline"]]
+            assert r["baseline"] == "zmq." + r["name"].removeprefix("gateway."), r
+            assert r["baseline_value"] == base["value"]
+            assert r["ratio"] == pytest.approx(r["value"] / base["value"])
+    target = by_name["gateway.rtt_p50_us.4KiB"]
+    assert target["target"] == "ratio <= 2.5" and isinstance(target["met"], bool)
+    # The table is the command's output; it names the records too.
+    assert "gateway.rtt_p50_us.4KiB" in result.stdout
+
+
+@pytest.mark.unit
+def test_ratio_is_value_over_the_baseline_measured_in_the_same_run() -> None:
+    records = [
+        Record.median_of("zmq.rtt_p50_us.4KiB", [100.0, 80.0, 120.0], "us"),
+        Record.median_of(
+            "gateway.rtt_p50_us.4KiB",
+            [210.0, 200.0, 260.0],
+            "us",
+            baseline="zmq.rtt_p50_us.4KiB",
+            target="<= 2.5",
+        ),
+        Record(name="gateway.orphan", value=1.0, unit="us", baseline="not.measured"),
+    ]
+    base, gw, orphan = (r.to_json() for r in finish(records))
+    assert base["value"] == 100.0 and base["ratio"] is None and base["baseline"] is None
+    assert gw["value"] == 210.0 and gw["baseline_value"] == 100.0
+    assert gw["ratio"] == pytest.approx(2.1) and gw["met"] is True
+    assert gw["repeats"] == [210.0, 200.0, 260.0]
+    assert orphan["baseline"] is None and orphan["baseline_value"] is None and orphan["ratio"] is None
+
+
+@pytest.mark.unit
+def test_only_keeps_matching_records_and_their_baselines() -> None:
+    records = [
+        Record(name="zmq.rtt_p50_us.64B", value=1.0, unit="us"),
+        Record(name="gateway.rtt_p50_us.64B", value=2.0, unit="us", baseline="zmq.rtt_p50_us.64B"),
+        Record(name="gateway.rtt_p50_us.4KiB", value=2.0, unit="us", baseline="zmq.rtt_p50_us.4KiB"),
+        Record(name="zmq.rtt_p50_us.4KiB", value=1.0, unit="us"),
+    ]
+    kept = [r.name for r in select(records, "gateway.rtt_p50_us.64B")]
+    assert kept == ["zmq.rtt_p50_us.64B", "gateway.rtt_p50_us.64B"]
+    with pytest.raises(ValueError, match="two records"):
+        finish([records[0], records[0]])
+
+
+@pytest.mark.unit
+def test_only_skips_suites_that_cannot_match() -> None:
+    run, declared = suites.load("gateway")
+    assert callable(run) and "gateway.rtt_p50_us.4KiB" in declared
+    assert suites.selected("gateway", declared, "gateway.rtt")
+    assert not suites.selected("gateway", declared, "collect.steps_per_s")
+    _, collect_names = suites.load("collect")
+    assert suites.selected("collect", collect_names, "n16")
+    assert not suites.selected("collect", collect_names, "gateway.rtt")
