@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("gateway.supervisor:main", "start and supervise every process of an experiment"),
     "gateway": ("gateway.hub:main", "run the gateway process"),
     "worker": ("gateway.worker:main", "run an env worker (a batch of envs of one backend)"),
+    "inference": ("gateway.inference.server:main", "run an inference server (batched policy, hot-swapped weights)"),
     "bench": ("benchmarks.__main__:main", "measure the data path against raw baselines"),
     "doctor": ("gateway.doctor:main", "show what is installed and what to install"),
     "keys": ("gateway.keys:main", "make CURVE keys for binding beyond loopback"),

@@ -27,6 +27,7 @@ CONFIG_BLOCKS: dict[str, str] = {
     "policy": "gateway.config:PolicyConfig",
     "gateway": "gateway.config:GatewayConfig",
     "run": "gateway.config:RunConfig",
+    "inference": "gateway.inference.config:InferenceConfig",
 }
 """Top-level blocks of an experiment config and the dataclass that validates each."""
 
@@ -58,7 +59,9 @@ def make_backend(name: str, *, num_envs: int, seed: int = 0, options: dict[str, 
     return cls(config, num_envs=num_envs, seed=seed)
 
 
-SOURCES: dict[str, str] = {}
+SOURCES: dict[str, str] = {
+    "inference": "gateway.inference.client:InferenceSource",
+}
 """Remote action sources by ``policy.kind`` (e.g. inference servers); in-process
 policies come from :data:`POLICIES`."""
 
@@ -89,16 +92,21 @@ def experiment_spec(backend: str, options: dict[str, Any] | None = None) -> Any:
 PLANS: dict[str, str] = {
     "gateway": "gateway.services:plan_gateway",
     "env": "gateway.services:plan_workers",
+    "inference": "gateway.inference.services:plan",
 }
 """Service plans by config block (see :mod:`gateway.services`), run in this order."""
 
-SUMMARY_HOOKS: dict[str, str] = {}
+SUMMARY_HOOKS: dict[str, str] = {
+    "inference": "gateway.inference.services:summary",
+}
 """By config block: ``func(cfg, run_dir, summary) -> None`` adding keys to ``summary.json``."""
 
 STORE_READERS: dict[str, str] = {}
 """By config block (when enabled): ``func(cfg, run_dir) -> StoreCount`` reading back
 where the trajectories went; the default reads ``<run>/episodes``."""
 
-PREFLIGHT: dict[str, str] = {}
+PREFLIGHT: dict[str, str] = {
+    "inference": "gateway.inference.services:preflight",
+}
 """By config block: ``func(cfg, spec) -> None`` raising ``ConfigError`` before any
 process starts (e.g. networks that do not fit the env spec)."""

@@ -1,0 +1,321 @@
+"""Dynamic batching and weight swaps on the inference thread of a server.
+
+The socket thread :meth:`~Batcher.put` s validated requests; the inference thread
+(:meth:`Batcher.run`) takes the oldest request, waits up to ``max_wait_us`` for others
+to join it (from any gateway) until ``max_batch`` rows are queued, runs one forward
+pass and hands each request its rows through ``reply``. A request whose deadline
+passed before or during its batch gets ``deadline_exceeded`` instead of a late action.
+
+Weight changes happen here too, between two batches: a version the loader thread
+built (:meth:`~Batcher.stage`) or a rollback (:meth:`~Batcher.request_rollback`) is a
+pointer swap, so no request waits for a load; the loader never blocks serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gateway.inference.backends import LoadedPolicy
+from gateway.metrics import Histogram
+from gateway.protocol import ErrorCode, Message, MsgType, error_message
+
+log = logging.getLogger(__name__)
+
+Reply = Callable[[bytes, bytes, Message], None]
+"""``reply(socket tag, route, message)``: queue an answer for the socket thread."""
+
+
+@dataclass
+class Request:
+    """One gateway request: a batch of observations with a deadline."""
+
+    tag: bytes
+    route: bytes
+    seq: int
+    obs: dict[str, np.ndarray]
+    rows: int
+    t_recv: float
+    deadline: float
+    deterministic: bool
+
+
+@dataclass
+class Staged:
+    """A version built by the loader, waiting for the next batch boundary."""
+
+    policy: LoadedPolicy
+    tag: bytes
+    route: bytes
+    seq: int
+    t_start: float
+
+
+class Stats:
+    """Counters and histograms shared by the server's threads (under one lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counters: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.batch_rows = Histogram()
+        self.latency_us = Histogram()
+        self.infer_us = Histogram()
+        self.swap_ms = Histogram()
+
+    def count(self, **inc: int) -> None:
+        with self.lock:
+            self.counters.update(inc)
+
+    def error(self, code: str) -> None:
+        with self.lock:
+            self.errors[code] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                **dict(self.counters),
+                "errors": dict(self.errors),
+                "batch_rows": self.batch_rows.summary(),
+                "latency_p50_us": round(self.latency_us.percentile(50), 1),
+                "latency_p99_us": round(self.latency_us.percentile(99), 1),
+                "infer_p50_us": round(self.infer_us.percentile(50), 1),
+                "infer_p99_us": round(self.infer_us.percentile(99), 1),
+                "swap_ms": self.swap_ms.summary(),
+            }
+
+
+class Batcher:
+    """The request queue, the serving version and the inference loop."""
+
+    def __init__(
+        self,
+        policy: LoadedPolicy,
+        *,
+        action_shape: tuple[int, ...],
+        action_dtype: str = "float32",
+        max_batch: int,
+        max_wait_us: int,
+        max_queue_rows: int,
+        seed: int,
+        reply: Reply,
+        stats: Stats,
+    ) -> None:
+        self.current = policy
+        self.previous: LoadedPolicy | None = None
+        self.action_shape, self.action_dtype = action_shape, np.dtype(action_dtype)
+        self.max_batch, self.max_wait_s = max_batch, max_wait_us / 1e6
+        self.max_queue_rows = max_queue_rows
+        self.reply, self.stats = reply, stats
+        self.rng = np.random.default_rng(seed)
+        self.cond = threading.Condition()
+        self.queue: deque[Request] = deque()
+        self.queued_rows = 0
+        self.staged: Staged | None = None
+        self.rollback: tuple[bytes, bytes, int] | None = None
+        self.stopping = False
+
+    # ----------------------------------------------------------- socket thread
+
+    @property
+    def version(self) -> int:
+        return self.current.version
+
+    def put(self, request: Request) -> bool:
+        """Queue a request; ``False`` when the queue is full (the caller answers ``unavailable``)."""
+        with self.cond:
+            if self.queued_rows + request.rows > self.max_queue_rows and self.queue:
+                return False
+            self.queue.append(request)
+            self.queued_rows += request.rows
+            self.cond.notify()
+        return True
+
+    def depth(self) -> tuple[int, int]:
+        """(queued requests, queued rows)."""
+        with self.cond:
+            return len(self.queue), self.queued_rows
+
+    def stage(self, staged: Staged) -> None:
+        """Swap ``staged`` in before the next batch (a newer one replaces an older one)."""
+        with self.cond:
+            old, self.staged = self.staged, staged
+            self.cond.notify()
+        if old is not None:
+            self.reply(
+                old.tag,
+                old.route,
+                error_message(
+                    ErrorCode.STALE_VERSION.value,
+                    f"version {old.policy.version} was superseded by {staged.policy.version} before it served",
+                    old.seq,
+                ),
+            )
+
+    def request_rollback(self, tag: bytes, route: bytes, seq: int) -> None:
+        with self.cond:
+            self.rollback = (tag, route, seq)
+            self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+    # -------------------------------------------------------- inference thread
+
+    def run(self) -> None:
+        """The inference loop; returns after :meth:`stop`."""
+        while True:
+            with self.cond:
+                while not (self.queue or self.staged or self.rollback or self.stopping):
+                    self.cond.wait(0.5)
+                if self.stopping:
+                    return
+                changes = self._take_changes()
+                batch = self._take_batch() if self.queue else []
+            for change in changes:
+                change()
+            if batch:
+                self._serve(batch)
+
+    def _take_changes(self) -> list[Callable[[], None]]:
+        """Swap in staged weights or roll back (lock held); the answers are sent after."""
+        done: list[Callable[[], None]] = []
+        if self.staged is not None:
+            staged, self.staged = self.staged, None
+            if staged.policy.version <= self.current.version:
+                msg = error_message(
+                    ErrorCode.STALE_VERSION.value,
+                    f"version {staged.policy.version} is not newer than the version serving ({self.current.version})",
+                    staged.seq,
+                )
+            else:
+                self.previous, self.current = self.current, staged.policy
+                swap_ms = (time.monotonic() - staged.t_start) * 1e3
+                with self.stats.lock:
+                    self.stats.counters["swaps"] += 1
+                    self.stats.swap_ms.add(swap_ms)
+                log.info("now serving version %d (previous %d)", self.current.version, self.previous.version)
+                meta = {
+                    "version": self.current.version,
+                    "previous": self.previous.version,
+                    "swap_ms": swap_ms,
+                }
+                msg = Message(MsgType.WEIGHTS_ACK, seq=staged.seq, meta=meta)
+            done.append(lambda s=staged, m=msg: self.reply(s.tag, s.route, m))  # type: ignore[misc]
+        if self.rollback is not None:
+            (tag, route, seq), self.rollback = self.rollback, None
+            if self.previous is None:
+                msg = error_message(ErrorCode.UNAVAILABLE.value, "no previous version to roll back to", seq)
+            else:
+                old, self.current, self.previous = self.current.version, self.previous, None
+                self.stats.count(rollbacks=1)
+                log.warning("rolled back from version %d to %d", old, self.current.version)
+                msg = Message(
+                    MsgType.REPLY, seq=seq, meta={"version": self.current.version, "rolled_back_from": old}
+                )
+            done.append(lambda t=tag, r=route, m=msg: self.reply(t, r, m))  # type: ignore[misc]
+        return done
+
+    def _wait_for_more(self) -> None:
+        """Let a young batch grow until ``max_batch`` rows or the oldest request's wait is over (lock held)."""
+        flush_at = self.queue[0].t_recv + self.max_wait_s
+        while self.queued_rows < self.max_batch and not self.stopping:
+            remaining = flush_at - time.monotonic()
+            if remaining <= 0 or self.staged is not None or self.rollback is not None:
+                return
+            self.cond.wait(remaining)
+
+    def _take_batch(self) -> list[Request]:
+        self._wait_for_more()
+        batch: list[Request] = []
+        rows = 0
+        while self.queue and (not batch or rows + self.queue[0].rows <= self.max_batch):
+            request = self.queue.popleft()
+            self.queued_rows -= request.rows
+            batch.append(request)
+            rows += request.rows
+        return batch
+
+    def _expire(self, request: Request, now: float, when: str) -> None:
+        late_ms = (now - request.deadline) * 1e3
+        self.stats.error(ErrorCode.DEADLINE_EXCEEDED.value)
+        self.reply(
+            request.tag,
+            request.route,
+            error_message(
+                ErrorCode.DEADLINE_EXCEEDED.value,
+                f"request {request.seq} passed its deadline {when} ({late_ms:.1f} ms late)",
+                request.seq,
+            ),
+        )
+
+    def _serve(self, batch: list[Request]) -> None:
+        now = time.monotonic()
+        live = []
+        for request in batch:
+            if now >= request.deadline:
+                self._expire(request, now, "in the queue")
+            else:
+                live.append(request)
+        if not live:
+            return
+        policy = self.current
+        obs = {
+            key: (live[0].obs[key] if len(live) == 1 else np.concatenate([r.obs[key] for r in live]))
+            for key in live[0].obs
+        }
+        rows = sum(r.rows for r in live)
+        eps = np.zeros((rows, *self.action_shape), np.float32)
+        start = 0
+        for request in live:
+            if not request.deterministic:
+                eps[start : start + request.rows] = self.rng.standard_normal(
+                    (request.rows, *self.action_shape), dtype=np.float32
+                )
+            start += request.rows
+        t0 = time.monotonic()
+        actions = np.ascontiguousarray(policy.run(obs, eps), dtype=self.action_dtype)
+        done = time.monotonic()
+        with self.stats.lock:
+            self.stats.counters.update(batches=1, rows=rows, requests=len(live))
+            self.stats.batch_rows.add(rows)
+            self.stats.infer_us.add((done - t0) * 1e6)
+        start = 0
+        for request in live:
+            part = actions[start : start + request.rows]
+            start += request.rows
+            if done >= request.deadline:
+                self._expire(request, done, "while its batch ran")
+                continue
+            if not np.isfinite(part).all():
+                self.stats.error(ErrorCode.BAD_REQUEST.value)
+                self.reply(
+                    request.tag,
+                    request.route,
+                    error_message(
+                        ErrorCode.BAD_REQUEST.value,
+                        "the policy gave non-finite actions for these observations (NaN or Inf in them?)",
+                        request.seq,
+                    ),
+                )
+                continue
+            meta = {
+                "version": policy.version,
+                "batch_rows": rows,
+                "queue_us": round((t0 - request.t_recv) * 1e6, 1),
+            }
+            arrays = {"action": part, "policy_version": np.full(request.rows, policy.version, np.int64)}
+            self.reply(
+                request.tag, request.route, Message(MsgType.ACTION, seq=request.seq, meta=meta, arrays=arrays)
+            )
+            with self.stats.lock:
+                self.stats.latency_us.add((time.monotonic() - request.t_recv) * 1e6)

@@ -1,0 +1,313 @@
+"""The gateway's action source for inference servers: load balancing, retries, rejoining.
+
+Registered as ``SOURCES["inference"]`` (``policy.kind: inference``); the gateway builds
+it with :meth:`InferenceSource.from_config` from ``endpoints.json``'s ``inference``
+list and uses it like any :class:`~gateway.policies.ActionSource`::
+
+    source = InferenceSource.from_config(cfg, spec, endpoints)
+    source.submit(key, obs, deadline)            # obs: {key: [K, ...]}, may be read-only
+    for key, actions, versions, error in source.results(): ...
+
+One DEALER socket per server. Each request goes to the live server with the least
+outstanding work (rows in flight); its attempt carries a deadline (the sooner of the
+gateway's and ``inference.deadline_ms``). A server that answers nothing for
+``replica_timeout_s`` while it owes answers, or whose socket refuses a send (it is not
+connected), is marked down and everything in flight on it is sent to another; a
+``deadline_exceeded`` or ``unavailable`` answer is retried elsewhere too. Answers are
+matched by a per-attempt sequence number, so a late answer from a server that was
+given up on is dropped, never delivered twice. Heartbeats go to every server, down
+ones included, so a server that comes back (restarted at its address, or planned but
+started late) joins live; :meth:`InferenceSource.add_replica` adds a new one.
+Only when the gateway's own deadline passes does a request end with an error (the
+gateway then asks again), so no env step is lost to a dying server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from gateway.config import ConfigError
+from gateway.episode import EnvSpec, Obs
+from gateway.policies import ActionSource
+from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError, pack, recv, send
+from gateway.transport import CurveKeys, connect, make_socket
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = {ErrorCode.DEADLINE_EXCEEDED.value, ErrorCode.UNAVAILABLE.value}
+Result = tuple[Any, np.ndarray | None, np.ndarray | None, str | None]
+
+
+@dataclass
+class Pending:
+    """One gateway request until it is answered or its gateway deadline passes."""
+
+    key: Any
+    obs: Obs
+    rows: int
+    deadline: float
+    attempts: int = 0
+    tried: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Replica:
+    """One server as this gateway sees it."""
+
+    index: int
+    address: str
+    sock: zmq.Socket[Any]
+    up: bool = False
+    last_heard: float = 0.0
+    last_ping: float = 0.0
+    version: int = 0
+    queue_rows: int = 0
+    inflight: dict[int, tuple[Pending, float]] = field(default_factory=dict)
+    """Attempt seq -> (request, attempt deadline)."""
+    rows: int = 0
+    answered: int = 0
+    downs: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "up": self.up,
+            "version": self.version,
+            "inflight_rows": self.rows,
+            "answered": self.answered,
+            "downs": self.downs,
+        }
+
+
+class InferenceSource(ActionSource):
+    """Actions from one or more inference servers, balanced by least outstanding work."""
+
+    def __init__(
+        self,
+        targets: Sequence[str | Mapping[str, Any]],
+        *,
+        deadline_ms: float = 1000.0,
+        heartbeat_s: float = 0.25,
+        replica_timeout_s: float = 1.5,
+        deterministic: bool | None = None,
+        keys: CurveKeys | None = None,
+        limits: Limits | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.deadline_s = deadline_ms / 1e3
+        self.heartbeat_s, self.replica_timeout_s = heartbeat_s, replica_timeout_s
+        self.deterministic = deterministic
+        self.keys, self.limits = keys, limits or Limits()
+        self._ctx = context or zmq.Context.instance()
+        self.replicas: list[Replica] = []
+        self.waiting: list[Pending] = []
+        self._done: list[Result] = []
+        self._seq = 0
+        self.counters = {"submitted": 0, "answered": 0, "retried": 0, "failed": 0, "late_dropped": 0}
+        for target in targets:
+            self.add_replica(target)
+
+    @classmethod
+    def from_config(cls, cfg: Any, spec: EnvSpec, endpoints: Mapping[str, Any]) -> InferenceSource:
+        icfg = cfg.inference
+        if not icfg.enabled:
+            raise ConfigError("policy.kind is 'inference' but inference.enabled is false")
+        targets = endpoints.get("inference") or []
+        if not targets:
+            raise ConfigError("policy.kind is 'inference' but endpoints.json lists no inference servers")
+        keys = CurveKeys.load(cfg.gateway.curve_keys) if cfg.gateway.curve_keys else None
+        return cls(
+            targets,
+            deadline_ms=icfg.deadline_ms,
+            heartbeat_s=icfg.heartbeat_s,
+            replica_timeout_s=icfg.replica_timeout_s,
+            keys=keys,
+            limits=cfg.gateway.limits,
+        )
+
+    def add_replica(self, target: str | Mapping[str, Any]) -> None:
+        """Start using another server (its ``requests`` address); it joins once it answers."""
+        address = target if isinstance(target, str) else str(target["requests"])
+        # immediate: a send to a server that is not connected fails now instead of queueing.
+        sock = make_socket(self._ctx, zmq.DEALER, sndhwm=1000, rcvhwm=10_000)
+        sock.immediate = True
+        connect(sock, address, self.keys)
+        self.replicas.append(Replica(index=len(self.replicas), address=address, sock=sock))
+
+    # ------------------------------------------------------------- the contract
+
+    def submit(self, key: Any, obs: Obs, deadline: float) -> None:
+        rows = len(next(iter(obs.values())))
+        self.counters["submitted"] += 1
+        self._dispatch(Pending(key=key, obs=obs, rows=rows, deadline=deadline))
+
+    def results(self) -> list[Result]:
+        for replica in self.replicas:
+            self._drain(replica)
+        self._check(time.monotonic())
+        done, self._done = self._done, []
+        return done
+
+    def sockets(self) -> list[Any]:
+        return [r.sock for r in self.replicas]
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for replica in self.replicas:
+            if now - replica.last_ping >= self.heartbeat_s:
+                replica.last_ping = now
+                self._send(replica, Message(MsgType.HEARTBEAT))
+        self._check(now)
+
+    @property
+    def version(self) -> int:
+        return max((r.version for r in self.replicas), default=0)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "inference",
+            "version": self.version,
+            "replicas": [r.describe() for r in self.replicas],
+            "waiting": len(self.waiting),
+            **self.counters,
+        }
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.sock.close(linger=0)
+
+    # ---------------------------------------------------------------- internals
+
+    def _send(self, replica: Replica, msg: Message) -> bool:
+        try:
+            send(replica.sock, msg, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # not connected (or hopelessly backed up)
+            return False
+
+    def _pick(self, pending: Pending) -> Replica | None:
+        live = [r for r in self.replicas if r.up]
+        fresh = [r for r in live if r.index not in pending.tried] or live
+        if not fresh:
+            return None
+        return min(fresh, key=lambda r: (r.rows + r.queue_rows, r.index))
+
+    def _dispatch(self, pending: Pending) -> None:
+        now = time.monotonic()
+        while True:
+            replica = self._pick(pending)
+            if replica is None:
+                self.waiting.append(pending)
+                return
+            self._seq += 1
+            attempt_deadline = min(pending.deadline, now + self.deadline_s)
+            meta: dict[str, Any] = {"deadline_ms": max(1.0, (attempt_deadline - now) * 1e3)}
+            if self.deterministic is not None:
+                meta["deterministic"] = self.deterministic
+            msg = Message(MsgType.OBSERVATION, seq=self._seq, meta=meta, arrays=pack("obs", pending.obs))
+            if self._send(replica, msg):
+                pending.attempts += 1
+                pending.tried.add(replica.index)
+                replica.inflight[self._seq] = (pending, attempt_deadline)
+                replica.rows += pending.rows
+                return
+            self._mark_down(replica, "its socket is not connected")
+
+    def _drain(self, replica: Replica) -> None:
+        while True:
+            try:
+                msg = recv(replica.sock, self.limits, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ProtocolError as exc:
+                log.warning("garbled answer from %s: %s", replica.address, exc)
+                continue
+            replica.last_heard = time.monotonic()
+            if not replica.up:
+                replica.up = True
+                log.info("inference server %s is up", replica.address)
+                self._flush_waiting()
+            if "version" in msg.meta and isinstance(msg.meta["version"], int):
+                replica.version = msg.meta["version"]
+            if msg.type is MsgType.HEARTBEAT:
+                replica.queue_rows = int(msg.meta.get("queue_rows", 0))
+                continue
+            entry = replica.inflight.pop(msg.seq, None)
+            if entry is None:
+                self.counters["late_dropped"] += 1
+                continue
+            pending, _ = entry
+            replica.rows -= pending.rows
+            if msg.type is MsgType.ACTION:
+                replica.answered += 1
+                self.counters["answered"] += 1
+                self._done.append((pending.key, msg.arrays["action"], msg.arrays["policy_version"], None))
+            elif msg.type is MsgType.ERROR and msg.meta.get("code") in RETRYABLE:
+                self._retry(pending, f"{replica.address}: {msg.meta.get('message')}")
+            else:
+                self._fail(pending, f"{replica.address}: [{msg.meta.get('code')}] {msg.meta.get('message')}")
+
+    def _retry(self, pending: Pending, why: str) -> None:
+        if time.monotonic() >= pending.deadline:
+            self._fail(pending, f"gateway deadline passed ({why})")
+            return
+        self.counters["retried"] += 1
+        log.debug("retrying request %s: %s", pending.key, why)
+        self._dispatch(pending)
+
+    def _fail(self, pending: Pending, why: str) -> None:
+        self.counters["failed"] += 1
+        self._done.append((pending.key, None, None, why))
+
+    def _mark_down(self, replica: Replica, why: str) -> None:
+        if replica.up:
+            replica.downs += 1
+            log.warning(
+                "inference server %s is down (%s); retrying its %d request(s) elsewhere",
+                replica.address,
+                why,
+                len(replica.inflight),
+            )
+        replica.up = False
+        inflight, replica.inflight, replica.rows = replica.inflight, {}, 0
+        for pending, _ in inflight.values():
+            self._retry(pending, f"{replica.address} went down")
+
+    def _flush_waiting(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        for pending in waiting:
+            self._dispatch(pending)
+
+    def _check(self, now: float) -> None:
+        """Liveness of servers owing answers, attempts past their deadline, expired waiters."""
+        for replica in self.replicas:
+            if not replica.inflight:
+                continue
+            if replica.up and now - replica.last_heard > self.replica_timeout_s:
+                self._mark_down(replica, f"silent for {now - replica.last_heard:.1f} s")
+                continue
+            # The server answers an expired request with deadline_exceeded; past a
+            # grace period it will not answer at all.
+            grace = self.replica_timeout_s
+            for seq, (pending, attempt_deadline) in list(replica.inflight.items()):
+                if now > attempt_deadline + grace:
+                    del replica.inflight[seq]
+                    replica.rows -= pending.rows
+                    self._retry(pending, f"no answer from {replica.address}")
+        if self.waiting:
+            still = []
+            for pending in self.waiting:
+                if now >= pending.deadline:
+                    self._fail(pending, "no inference server is up")
+                else:
+                    still.append(pending)
+            self.waiting = still
+            if still and any(r.up for r in self.replicas):
+                self._flush_waiting()

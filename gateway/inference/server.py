@@ -1,0 +1,464 @@
+"""The inference server process: batched policy serving with hot-swapped weights.
+
+Three ROUTER sockets (addresses in ``endpoints.json`` under ``inference[i]``):
+
+- ``requests``: OBSERVATION ``{deadline_ms, deterministic?}`` with ``obs/<key>`` arrays
+  ``[B, ...]`` -> ACTION ``{version, batch_rows, queue_us}`` with ``action [B, ...]``
+  and ``policy_version i64[B]``, or ERROR (``bad_request``: observations that do not
+  fit the spec; ``deadline_exceeded``; ``unavailable``: queue full). HEARTBEAT ->
+  HEARTBEAT ``{version, queue_rows}``.
+- ``weights``: WEIGHTS buckets -> WEIGHTS_ACK or ERROR (:mod:`gateway.inference.weights`);
+  COMMAND ``rollback``.
+- ``control``: METADATA -> REPLY (spec, backend, providers, device, version, queue
+  depth, counters); COMMAND ``status`` | ``rollback`` | ``shutdown``.
+
+Three threads: this socket thread only receives, validates and forwards answers, so
+receiving never stalls; the inference thread batches and runs the network
+(:mod:`gateway.inference.batcher`); the loader thread validates and builds new
+versions. Answers come back to the socket thread over an ``inproc`` socket without
+copies. Counters and latency histograms go to ``<run>/metrics.jsonl`` as
+``inference-<i>``::
+
+    python -m gateway.inference --config configs/reach_sim.yaml --run-dir runs/inf --index 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from gateway.config import ConfigError, to_plain
+from gateway.episode import EnvSpec
+from gateway.inference.backends import Backend, make_backend
+from gateway.inference.batcher import Batcher, Request, Staged, Stats
+from gateway.inference.config import InferenceConfig, network_problems
+from gateway.inference.weights import WeightsAssembler, WeightsError, WeightsUpdate
+from gateway.metrics import MetricsWriter
+from gateway.protocol import (
+    ErrorCode,
+    Limits,
+    Message,
+    MsgType,
+    ProtocolError,
+    encode,
+    error_message,
+    recv_routed,
+    send,
+    unpack,
+)
+from gateway.transport import CurveKeys, bind, make_socket
+
+log = logging.getLogger(__name__)
+
+SOCKETS = ("requests", "weights", "control")
+TAGS = {name: name[0].encode() for name in SOCKETS}
+MAX_QUEUE_BATCHES = 64
+"""Queued rows beyond ``max_batch * this`` are refused with ``unavailable`` (backpressure)."""
+
+
+class InferenceServer:
+    """One replica; construct (binds), then :meth:`serve` until stopped, then :meth:`close`."""
+
+    def __init__(
+        self,
+        *,
+        config: InferenceConfig,
+        spec: EnvSpec,
+        addresses: dict[str, str],
+        index: int = 0,
+        keys: CurveKeys | None = None,
+        metrics: MetricsWriter | None = None,
+        limits: Limits | None = None,
+        backend: Backend | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.config, self.spec, self.index = config, spec, index
+        self.limits = limits or Limits()
+        self.metrics = metrics or MetricsWriter(None, f"inference-{index}")
+        self.backend = backend or make_backend(spec, config)
+        policy = self.backend.initial()
+        self.stats = Stats()
+        self.batcher = Batcher(
+            policy,
+            action_shape=tuple(spec.action.shape),
+            action_dtype=spec.action.dtype,
+            max_batch=config.max_batch,
+            max_wait_us=config.max_wait_us,
+            max_queue_rows=config.max_batch * MAX_QUEUE_BATCHES,
+            seed=config.seed + index,
+            reply=self.reply,
+            stats=self.stats,
+        )
+        self._ctx = context or zmq.Context.instance()
+        self.socks: dict[str, zmq.Socket[Any]] = {}
+        self.addresses: dict[str, str] = {}
+        for name in SOCKETS:
+            sock = make_socket(self._ctx, zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000)
+            sock.router_mandatory = False
+            self.addresses[name] = bind(sock, addresses[name], keys)
+            self.socks[name] = sock
+        self._by_tag = {TAGS[n]: s for n, s in self.socks.items()}
+        self._inproc = f"inproc://inference-replies-{id(self):x}"
+        self._pull = make_socket(self._ctx, zmq.PULL, rcvhwm=0)
+        self._pull.bind(self._inproc)
+        self._local = threading.local()
+        self._pushes: list[zmq.Socket[Any]] = []
+        self._push_lock = threading.Lock()
+        self.assembler = WeightsAssembler()
+        self.loads: queue.Queue[WeightsUpdate | None] = queue.Queue()
+        self._newest_staged = policy.version
+        self._logged: set[tuple[bytes, str]] = set()
+        self.stopping = threading.Event()
+        self.failure: BaseException | None = None
+        self.started = time.monotonic()
+        log.info(
+            "inference-%d serving version %d on %s with %s",
+            index,
+            policy.version,
+            json.dumps(self.addresses),
+            json.dumps(self.backend.describe()),
+        )
+
+    # ----------------------------------------------------------------- answers
+
+    def reply(self, tag: bytes, route: bytes, msg: Message) -> None:
+        """Queue an answer from any thread; the socket thread sends it."""
+        push = getattr(self._local, "push", None)
+        if push is None:
+            push = make_socket(self._ctx, zmq.PUSH, sndhwm=0)
+            push.connect(self._inproc)
+            with self._push_lock:
+                self._pushes.append(push)
+            self._local.push = push
+        push.send_multipart([tag, route, *encode(msg)], copy=False)
+
+    def _forward(self) -> None:
+        for _ in range(1000):
+            try:
+                tag, route, *frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._by_tag[tag.bytes].send_multipart([route, *frames], copy=False)
+
+    def _error(self, name: str, route: bytes, exc: ProtocolError, seq: int = 0) -> None:
+        self.stats.error(exc.code.value)
+        if (route, exc.code.value) not in self._logged:
+            self._logged.add((route, exc.code.value))
+            log.warning("peer %s on %s: %s (further ones are counted)", route.hex()[:8], name, exc)
+        send(self.socks[name], error_message(exc.code.value, exc.message, seq), route=[route])
+
+    # ---------------------------------------------------------------- messages
+
+    def _on_message(self, name: str) -> None:
+        sock = self.socks[name]
+        route, msg, err = recv_routed(sock, self.limits, zmq.NOBLOCK)
+        if err is not None:
+            self._error(name, route, err)
+            return
+        assert msg is not None
+        try:
+            if msg.type is MsgType.OBSERVATION and name == "requests":
+                self._on_request(route, msg)
+            elif msg.type is MsgType.HEARTBEAT:
+                _, rows = self.batcher.depth()
+                meta = {"version": self.batcher.version, "queue_rows": rows, "index": self.index}
+                send(sock, Message(MsgType.HEARTBEAT, seq=msg.seq, meta=meta), route=[route])
+            elif msg.type is MsgType.METADATA:
+                send(sock, Message(MsgType.REPLY, seq=msg.seq, meta=self.describe()), route=[route])
+            elif msg.type is MsgType.COMMAND:
+                self._on_command(name, route, msg)
+            elif msg.type is MsgType.WEIGHTS and name == "weights":
+                self._on_weights(route, msg)
+            else:
+                raise ProtocolError(
+                    ErrorCode.UNEXPECTED, f"{msg.type.name} is not accepted on the {name} socket"
+                )
+        except ProtocolError as exc:
+            self._error(name, route, exc, msg.seq)
+
+    def _on_request(self, route: bytes, msg: Message) -> None:
+        now = time.monotonic()
+        obs = unpack("obs", msg.arrays)
+        rows = len(next(iter(obs.values()))) if obs and next(iter(obs.values())).ndim else 0
+        problems = self.spec.check_observation(obs, rows) if rows else ["no observation rows"]
+        if problems:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "observations do not fit the spec: " + "; ".join(problems)
+            )
+        deadline_ms = msg.meta.get("deadline_ms", self.config.deadline_ms)
+        if not isinstance(deadline_ms, (int, float)) or isinstance(deadline_ms, bool) or not deadline_ms > 0:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"deadline_ms must be a positive number, got {deadline_ms!r}"
+            )
+        deterministic = msg.meta.get("deterministic", self.config.deterministic)
+        request = Request(
+            tag=TAGS["requests"],
+            route=route,
+            seq=msg.seq,
+            obs=obs,
+            rows=rows,
+            t_recv=now,
+            deadline=now + float(deadline_ms) / 1e3,
+            deterministic=bool(deterministic),
+        )
+        self.stats.count(received=1)
+        if not self.batcher.put(request):
+            raise ProtocolError(ErrorCode.UNAVAILABLE, "the request queue is full; try another server")
+
+    def _on_command(self, name: str, route: bytes, msg: Message) -> None:
+        cmd = msg.meta.get("cmd")
+        if cmd == "rollback" and name in ("weights", "control"):
+            self.batcher.request_rollback(TAGS[name], route, msg.seq)
+            return
+        if cmd == "status":
+            result = self.describe()
+        elif cmd == "shutdown" and name == "control":
+            self.stopping.set()
+            result = {"stopping": True}
+        else:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"unknown command {cmd!r} here (status, rollback, shutdown)"
+            )
+        send(self.socks[name], Message(MsgType.REPLY, seq=msg.seq, meta=result), route=[route])
+
+    def _on_weights(self, route: bytes, msg: Message) -> None:
+        try:
+            update = self.assembler.add(route, msg, max(self.batcher.version, self._newest_staged))
+        except WeightsError as exc:
+            self.stats.count(weights_refused=1)
+            raise exc from None
+        if update is not None:
+            self.stats.count(weights_received=1)
+            self.loads.put(update)
+
+    # ------------------------------------------------------------------ loader
+
+    def _load_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                update = self.loads.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if update is None:
+                return
+            t0 = time.monotonic()
+            try:
+                if update.version <= max(self.batcher.version, self._newest_staged):
+                    raise WeightsError(
+                        ErrorCode.STALE_VERSION,
+                        f"version {update.version} is not newer than {max(self.batcher.version, self._newest_staged)}",
+                    )
+                if update.format == "onnx":
+                    policy = self.backend.from_onnx(update.arrays["onnx"], update.version)
+                else:
+                    policy = self.backend.from_state_dict(update.arrays, update.version)
+            except WeightsError as exc:
+                self.stats.count(weights_refused=1)
+                self.stats.error(exc.code.value)
+                log.warning("refused weights version %d: %s", update.version, exc)
+                self.reply(
+                    TAGS["weights"], update.route, error_message(exc.code.value, exc.message, update.seq)
+                )
+                continue
+            self._newest_staged = update.version
+            log.info(
+                "version %d loaded in %.1f ms; swapping it in", update.version, (time.monotonic() - t0) * 1e3
+            )
+            self.batcher.stage(Staged(policy, TAGS["weights"], update.route, update.seq, t0))
+
+    # --------------------------------------------------------------------- run
+
+    def describe(self) -> dict[str, Any]:
+        requests, rows = self.batcher.depth()
+        previous = self.batcher.previous
+        return {
+            "index": self.index,
+            **self.backend.describe(),
+            "version": self.batcher.version,
+            "previous_version": previous.version if previous is not None else None,
+            "queue_requests": requests,
+            "queue_rows": rows,
+            "max_batch": self.config.max_batch,
+            "max_wait_us": self.config.max_wait_us,
+            "deadline_ms": self.config.deadline_ms,
+            "deterministic": self.config.deterministic,
+            "network": to_plain(self.config.network),
+            "spec": self.spec.to_dict(),
+            "addresses": dict(self.addresses),
+            "uptime_s": round(time.monotonic() - self.started, 1),
+            "stats": self.stats.snapshot(),
+        }
+
+    def _guarded(self, target: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as exc:  # a bug: stop the process loudly, the supervisor restarts it
+                log.exception("inference thread failed")
+                self.failure = exc
+                self.stopping.set()
+
+        return run
+
+    def serve(self, stop: threading.Event | None = None) -> None:
+        threads = [
+            threading.Thread(target=self._guarded(self.batcher.run), name="inference", daemon=True),
+            threading.Thread(target=self._guarded(self._load_loop), name="loader", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        poller = zmq.Poller()
+        for sock in (self._pull, *self.socks.values()):
+            poller.register(sock, zmq.POLLIN)
+        next_metrics = time.monotonic()
+        try:
+            while not self.stopping.is_set() and not (stop is not None and stop.is_set()):
+                events = dict(poller.poll(100))
+                if self._pull in events:
+                    self._forward()
+                for name, sock in self.socks.items():
+                    if sock in events:
+                        for _ in range(256):
+                            self._on_message(name)
+                            if not sock.poll(0):
+                                break
+                        self._forward()
+                now = time.monotonic()
+                if now >= next_metrics:
+                    self.emit_metrics()
+                    next_metrics = now + self.config.metrics_interval_s
+        finally:
+            self.batcher.stop()
+            self.loads.put(None)
+            for t in threads:
+                t.join(timeout=5.0)
+            self._forward()
+            self.emit_metrics()
+
+    def emit_metrics(self) -> None:
+        requests, rows = self.batcher.depth()
+        self.metrics.emit(
+            {
+                "version": self.batcher.version,
+                "queue_requests": requests,
+                "queue_rows": rows,
+                **self.stats.snapshot(),
+            }
+        )
+
+    def close(self) -> None:
+        with self._push_lock:
+            for push in self._pushes:
+                push.close(linger=0)
+        for sock in (*self.socks.values(), self._pull):
+            sock.close(linger=0)
+        self.metrics.close()
+
+
+# ---------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loopgate inference",
+        description="Run one inference server: batched policy serving with versioned, hot-swapped weights.",
+        epilog="example: loopgate inference --config configs/reach_sim.yaml --run-dir runs/inf "
+        "--set inference.backend=torch\n"
+        "         (its addresses are written to runs/inf/endpoints.json under 'inference')",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", required=True, help="experiment config (YAML); its inference block is used")
+    p.add_argument("--run-dir", required=True, help="run folder (endpoints.json, metrics.jsonl)")
+    p.add_argument("--index", type=int, default=0, help="replica number (its entry in endpoints.json)")
+    p.add_argument(
+        "--endpoints", help="endpoints.json to read addresses from (default: RUN_DIR/endpoints.json)"
+    )
+    p.add_argument(
+        "--spec", help="spec.json: the experiment's env spec (default: computed from the env block)"
+    )
+    p.add_argument("--set", action="append", default=[], metavar="BLOCK.KEY=VALUE", help="config override")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def build_server(args: argparse.Namespace) -> InferenceServer:
+    from gateway.config import load_config
+    from gateway.inference.services import replica_addresses
+    from gateway.registry import experiment_spec
+
+    cfg = load_config(args.config, args.set)
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = Path(args.spec) if args.spec else run_dir / "spec.json"
+    if spec_path.exists():
+        spec = EnvSpec.from_dict(json.loads(spec_path.read_text()))
+    else:
+        spec = experiment_spec(cfg.env.backend, dict(cfg.env.options))
+    icfg: InferenceConfig = cfg.inference
+    problems = network_problems(spec, icfg.network)
+    if problems:
+        raise ConfigError("inference.network does not fit the env spec: " + "; ".join(problems))
+    icfg.check_weights_file()
+    endpoints_path = Path(args.endpoints) if args.endpoints else run_dir / "endpoints.json"
+    endpoints: dict[str, Any] = json.loads(endpoints_path.read_text()) if endpoints_path.exists() else {}
+    planned = endpoints.get("inference") or []
+    addresses = (
+        planned[args.index]
+        if args.index < len(planned)
+        else replica_addresses(cfg, run_dir, args.index, bind=True)
+    )
+    keys = CurveKeys.load(cfg.gateway.curve_keys) if cfg.gateway.curve_keys else None
+    server = InferenceServer(
+        config=icfg,
+        spec=spec,
+        addresses=addresses,
+        index=args.index,
+        keys=keys,
+        metrics=MetricsWriter(run_dir / "metrics.jsonl", f"inference-{args.index}"),
+        limits=cfg.gateway.limits,
+    )
+    if args.index >= len(planned):  # standalone: tell clients where this replica is
+        fresh = json.loads(endpoints_path.read_text()) if endpoints_path.exists() else {}
+        entries = fresh.setdefault("inference", [])
+        entries.extend({} for _ in range(args.index + 1 - len(entries)))
+        entries[args.index] = server.addresses
+        endpoints_path.write_text(json.dumps(fresh, indent=2))
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        server = build_server(args)
+    except (ConfigError, ValueError, WeightsError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+
+    def _stop(signum: int, frame: Any) -> None:
+        server.stopping.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        server.serve()
+    finally:
+        with contextlib.suppress(zmq.ZMQError):
+            server.close()
+    return 1 if server.failure is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
