@@ -16,10 +16,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("gateway.supervisor:main", "start and supervise every process of an experiment"),
     "gateway": ("gateway.hub:main", "run the gateway process"),
     "worker": ("gateway.worker:main", "run an env worker (a batch of envs of one backend)"),
-    "inference": ("gateway.inference.server:main", "run an inference server (batched policy, hot-swapped weights)"),
+    "inference": (
+        "gateway.inference.server:main",
+        "run an inference server (batched policy, hot-swapped weights)",
+    ),
     "bench": ("benchmarks.__main__:main", "measure the data path against raw baselines"),
     "doctor": ("gateway.doctor:main", "show what is installed and what to install"),
     "keys": ("gateway.keys:main", "make CURVE keys for binding beyond loopback"),
+    "emulator": ("robots.emulator:main", "emulate the reach arm as a ROS 2 (ros2_control) robot"),
+    "replay": ("trainer.replay.cli:main", "run the replay service, or import demonstrations into a run"),
+    "export": ("trainer.replay.export:main", "export a run's episodes (LeRobot v3 dataset, MCAP for ROS 2)"),
 }
 """Subcommand -> (``module:function``, one-line description)."""
 

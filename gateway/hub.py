@@ -160,7 +160,9 @@ class Gateway:
 
     @property
     def collecting(self) -> bool:
-        return not (self.paused or self.estopped or self.draining or self.budget_reached)
+        return not (
+            self.paused or self.estopped or self.draining or self.budget_reached or self.recorder.sink.blocked
+        )
 
     @property
     def budget_reached(self) -> bool:
@@ -453,6 +455,7 @@ class Gateway:
             "unacked_chunks": self.recorder.unacked_chunks,
             "sink": self.recorder.sink.describe(),
             "sink_backlog": self.recorder.sink.backlog(),
+            "sink_blocked": self.recorder.sink.blocked,
             "policy": self.source.describe() if self.source else {"kind": "external"},
             "policy_version": self.source.version if self.source else 0,
             "uptime_s": round(now - self.started, 1),

@@ -12,6 +12,7 @@ from typing import Any
 BACKENDS: dict[str, str] = {
     "mujoco_reach": "sim_bridges.mujoco:MujocoReachBackend",
     "gymnasium": "sim_bridges.gymnasium:GymnasiumBackend",
+    "ros2": "robots.ros2:Ros2Backend",
 }
 """Episode backends by the name ``env.backend`` uses."""
 
@@ -28,6 +29,7 @@ CONFIG_BLOCKS: dict[str, str] = {
     "gateway": "gateway.config:GatewayConfig",
     "run": "gateway.config:RunConfig",
     "inference": "gateway.inference.config:InferenceConfig",
+    "replay": "trainer.replay.config:ReplayConfig",
 }
 """Top-level blocks of an experiment config and the dataclass that validates each."""
 
@@ -65,7 +67,9 @@ SOURCES: dict[str, str] = {
 """Remote action sources by ``policy.kind`` (e.g. inference servers); in-process
 policies come from :data:`POLICIES`."""
 
-SINKS: dict[str, str] = {}
+SINKS: dict[str, str] = {
+    "replay": "trainer.replay.sink:ReplaySink",
+}
 """Trajectory sinks by config block that enables them (e.g. ``replay``); the local
 episode store is the default."""
 
@@ -93,6 +97,7 @@ PLANS: dict[str, str] = {
     "gateway": "gateway.services:plan_gateway",
     "env": "gateway.services:plan_workers",
     "inference": "gateway.inference.services:plan",
+    "replay": "trainer.replay.plan:plan_replay",
 }
 """Service plans by config block (see :mod:`gateway.services`), run in this order."""
 
@@ -101,7 +106,9 @@ SUMMARY_HOOKS: dict[str, str] = {
 }
 """By config block: ``func(cfg, run_dir, summary) -> None`` adding keys to ``summary.json``."""
 
-STORE_READERS: dict[str, str] = {}
+STORE_READERS: dict[str, str] = {
+    "replay": "trainer.replay.log:count_store",
+}
 """By config block (when enabled): ``func(cfg, run_dir) -> StoreCount`` reading back
 where the trajectories went; the default reads ``<run>/episodes``."""
 

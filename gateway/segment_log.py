@@ -21,6 +21,7 @@ reported and skipped, and reading resumes at the next valid record::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -217,13 +218,21 @@ class SegmentLog:
         pos = Position(self._segment, self._size)
         buffers = [_HEAD.pack(MAGIC, length, crc), *parts]
         total = _HEAD.size + length
-        written = os.writev(self._fd, buffers)
-        if written != total:
-            # writev may stop short (signals, large writes): finish the rest.
-            remaining = b"".join(bytes(b) for b in buffers)[written:]
-            while remaining:
-                n = os.write(self._fd, remaining)
-                remaining = remaining[n:]
+        try:
+            written = os.writev(self._fd, buffers)
+            if written != total:
+                # writev may stop short (signals, large writes): finish the rest.
+                remaining = b"".join(bytes(b) for b in buffers)[written:]
+                while remaining:
+                    n = os.write(self._fd, remaining)
+                    remaining = remaining[n:]
+        except OSError:
+            # A refused write (disk full) can leave part of the record behind: cut it, so
+            # the segment stays a clean run of records and appends after the disk frees up
+            # are readable without being taken for corruption.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+            raise
         self._size += total
         self._dirty = True
         return pos

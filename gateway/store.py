@@ -44,6 +44,12 @@ class TrajectorySink(abc.ABC):
         """Chunks submitted but not yet acknowledged."""
         return 0
 
+    @property
+    def blocked(self) -> bool:
+        """True while the sink cannot take more (disk full, consumer behind): the gateway
+        stops collecting until it clears; steps already spooled stay safe."""
+        return False
+
     def sockets(self) -> list[Any]:
         """ZeroMQ sockets the gateway's poller should watch for this sink."""
         return []
