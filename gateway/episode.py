@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
@@ -310,6 +310,21 @@ class EpisodeBackend(abc.ABC):
         actions while the stop is engaged, so recording the state is all it needs.
         """
         self.estopped = engaged
+
+    keepalive: Callable[[], bool] | None = None
+    """Set by the host (the env worker): call it at least every few hundred ms while a
+    ``reset`` or ``step`` blocks for long (a robot moving home, waiting for an operator),
+    so the host keeps answering heartbeats and handing over commands (e-stop, ``ready``)
+    meanwhile. It never blocks; it returns False when the host is stopping, and the
+    backend should then return as soon as it safely can."""
+
+    def command(self, name: str, meta: Mapping[str, Any]) -> bool:
+        """An operator command the gateway broadcast (e.g. ``"ready"``); False if not understood.
+
+        Robot backends whose reset waits for a person take ``"ready"`` here; backends
+        that need no operator ignore every command.
+        """
+        return False
 
     def close(self) -> None:
         """Release simulator or robot resources; idempotent."""

@@ -7,7 +7,7 @@ One single-threaded event loop over ZeroMQ sockets:
 - ``clients`` (ROUTER): :mod:`gateway.client` envs attach to a worker and drive it
   (RESET / STEP) instead of the policy;
 - ``control`` (ROUTER): COMMANDs from the CLI and the console (status, pause, resume,
-  drain, shutdown);
+  estop, ready, drain, shutdown);
 - the action source's and the trajectory sink's own sockets.
 
 Every transition a worker reports is written to the recorder's spool before the ACTION
@@ -516,12 +516,14 @@ class Gateway:
             return {"max_env_steps": value}
         if cmd == "estop":
             return self.estop(bool(meta.get("engaged", True)), str(meta.get("reason", "")))
+        if cmd == "ready":
+            return self.ready(meta.get("worker"), meta.get("env"))
         if cmd == "shutdown":
             self.stopping = True
             return {"stopping": True}
         raise ProtocolError(
             ErrorCode.BAD_REQUEST,
-            f"unknown command {cmd!r} (status, pause, resume, set_budget, estop, drain, shutdown)",
+            f"unknown command {cmd!r} (status, pause, resume, set_budget, estop, ready, drain, shutdown)",
         )
 
     def estop(self, engaged: bool, reason: str = "") -> dict[str, Any]:
@@ -538,6 +540,29 @@ class Gateway:
         if not engaged:
             self._resubmit_waiting()
         return {"estopped": engaged, "workers": len(self.sessions)}
+
+    def ready(self, worker: Any = None, env: Any = None) -> dict[str, Any]:
+        """An operator's "ready": robots waiting at reset (``reset.wait_for_operator``) may start.
+
+        Goes to every worker, or to ``worker`` (uid) only, optionally for one ``env``
+        index; like the e-stop it travels as a COMMAND the worker hands to its backend.
+        """
+        if worker is not None and worker not in self.sessions:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"no worker {worker!r}; workers: {sorted(self.sessions)}"
+            )
+        if env is not None and (not isinstance(env, int) or isinstance(env, bool) or env < 0):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"env must be a non-negative integer, got {env!r}")
+        meta: dict[str, Any] = {"cmd": "ready"} if env is None else {"cmd": "ready", "env": env}
+        targets = [self.sessions[worker]] if worker is not None else list(self.sessions.values())
+        for session in targets:
+            send(self.workers_sock, Message(MsgType.COMMAND, meta=meta), route=[session.route])
+        log.info(
+            "operator ready sent to %d worker(s)%s",
+            len(targets),
+            f" for env {env}" if env is not None else "",
+        )
+        return {"ready": True, "workers": len(targets)}
 
     def _resubmit_waiting(self) -> None:
         if not self.collecting or self.source is None:

@@ -94,6 +94,8 @@ class EnvWorker:
         self.env_steps = 0
         self.reconnects = 0
         self.stop_event = threading.Event()
+        self._last_beat = 0.0
+        backend.keepalive = self._keepalive
 
     # --------------------------------------------------------------- connection
 
@@ -298,20 +300,49 @@ class EnvWorker:
                 raise FatalWorkerError(f"gateway error: [{code}] {text}")
             if msg.type in (MsgType.ACTION, MsgType.RESET) and msg.seq == seq:
                 return msg
-            if msg.type is MsgType.COMMAND and msg.meta.get("cmd") == "estop":
-                engaged = bool(msg.meta.get("engaged", True))
-                self.backend.estop(engaged)
-                log.warning(
-                    "e-stop %s by the gateway (%s)",
-                    "engaged" if engaged else "released",
-                    msg.meta.get("reason", ""),
-                )
+            if msg.type is MsgType.COMMAND:
+                self._on_command(msg)
+                if self.stop_event.is_set():
+                    return msg
                 continue
-            if msg.type is MsgType.COMMAND and msg.meta.get("cmd") == "stop":
-                self.stop_event.set()
-                return msg
             log.debug("ignoring %s seq %d while waiting for %d", msg.type.name, msg.seq, seq)
         return None
+
+    def _on_command(self, msg: Message) -> None:
+        """A COMMAND the gateway sent: ``estop``, ``stop``, or an operator command for the backend."""
+        cmd = msg.meta.get("cmd")
+        if cmd == "estop":
+            engaged = bool(msg.meta.get("engaged", True))
+            self.backend.estop(engaged)
+            log.warning(
+                "e-stop %s by the gateway (%s)",
+                "engaged" if engaged else "released",
+                msg.meta.get("reason", ""),
+            )
+        elif cmd == "stop":
+            self.stop_event.set()
+        elif isinstance(cmd, str) and not self.backend.command(cmd, msg.meta):
+            log.info("command %r from the gateway does not apply to this backend", cmd)
+
+    def _keepalive(self) -> bool:
+        """The backend's ``keepalive``: heartbeat and take commands while it blocks in a step or reset.
+
+        Runs on the worker's own thread (the backend calls it), so the socket is never
+        shared. Replies cannot arrive here (no observation is outstanding while the
+        backend runs); anything but a COMMAND is what :meth:`_await_reply` ignores too.
+        """
+        sock = self._sock
+        if sock is None:
+            return not self.stop_event.is_set()
+        now = time.monotonic()
+        if now - self._last_beat >= self.heartbeat_s:
+            send(sock, Message(MsgType.HEARTBEAT, meta={"uid": self.uid, "busy": True}))
+            self._last_beat = now
+        while sock.poll(0):
+            msg = recv(sock, self.limits)
+            if msg.type is MsgType.COMMAND:
+                self._on_command(msg)
+        return not self.stop_event.is_set()
 
 
 # ------------------------------------------------------------------------- main
