@@ -1,0 +1,135 @@
+# ruff: noqa: F811 - pytest fixtures imported from test_ros2_backend are test parameters here
+"""ROS 2 robots behind a real gateway: operator commands, the e-stop, a robot that dies.
+
+Real processes throughout: the gateway (``python -m gateway.hub`` or ``loopgate up``),
+env workers with the ``ros2`` backend, and emulators as the robots.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gateway.supervisor import ControlClient
+from tests.conftest import wait_for
+from tests.test_ros2_backend import (  # noqa: F401 - fixtures
+    WHY_NOT,
+    commands,
+    domain,
+    options,
+    robot,
+)
+from tests.test_ros2_safety import PERIOD_S, SCHEDULING_SLACK_S
+
+pytestmark = [pytest.mark.ros2, pytest.mark.integration, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
+
+
+def steps(status: dict[str, Any]) -> int:
+    return int(status["env_steps"])
+
+
+def plateau(read: Any, settle_s: float = 1.0) -> int:
+    """The value ``read()`` stops at (it must not change for ``settle_s``)."""
+
+    def still() -> int | None:
+        before = read()
+        time.sleep(settle_s)
+        after = read()
+        return after if after == before else None
+
+    return int(wait_for(still, timeout=30, what="progress to stop"))
+
+
+def test_operator_ready_and_estop_reach_the_robot_through_the_gateway(gateway_run, robot, domain) -> None:
+    record = robot("/arm")
+    env_options = options(domain, ["/arm"], max_episode_steps=40, reset={"wait_for_operator": True})
+    run = gateway_run({"env": {"backend": "ros2", "num_envs": 1, "options": env_options}, "policy": {"kind": "random"}})
+    run.worker(0)
+    wait_for(lambda: run.status()["workers"], timeout=60, what="the worker to register")
+    # Waiting for the operator takes longer than the gateway's worker timeout (3 s):
+    # the backend's keepalive keeps the worker registered meanwhile.
+    time.sleep(4.0)
+    status = run.status()
+    assert steps(status) == 0 and len(status["workers"]) == 1 and status["episodes_interrupted"] == 0
+    assert run.control.request("ready", timeout_s=5.0) == {"ready": True, "workers": 1}
+    wait_for(lambda: steps(run.status()) >= 5, what="steps after ready")
+
+    before = len(commands(record))
+    sent = time.time()
+    run.control.request("estop", timeout_s=5.0, engaged=True, reason="test")
+    held = plateau(lambda: steps(run.status()))
+    after = [c for c in commands(record)[before:] if c["t"] > sent]
+    assert after, "no hold reached the robot"
+    hold = after[-1]["data"]
+    np.testing.assert_allclose(hold, after[-1]["qpos"], atol=0.1)
+    first = len(after) - 1
+    while first > 0 and np.allclose(after[first - 1]["data"], hold):
+        first -= 1
+    assert after[first]["t"] - sent <= PERIOD_S + SCHEDULING_SLACK_S
+    assert held < 40
+
+    run.control.request("estop", timeout_s=5.0, engaged=False)
+    # The episode runs to its limit and the next reset waits for the operator again:
+    # the 40th step's observation comes once the next episode may start.
+    assert plateau(lambda: steps(run.status())) == 39
+    run.control.request("ready", timeout_s=5.0)
+    wait_for(lambda: steps(run.status()) >= 45, what="the second episode")
+    assert run.status()["episodes"] >= 1
+
+
+def test_robot_killed_mid_episode_is_interrupted_and_picked_up_when_it_returns(procs, robot, domain, tmp_path) -> None:
+    robot("/a")
+    robot("/b")
+    run_dir = tmp_path / "run"
+    sets = ["env.options.namespaces=[/a]", "env.options.lost_timeout_s=1.0", "gateway.worker_timeout_s=3.0"]
+    up = procs.spawn(
+        "-m", "gateway", "up", "configs/reach_ros2.yaml", "--run-dir", str(run_dir),
+        *[arg for s in sets for arg in ("--set", s)], name="up",
+    )  # fmt: skip
+    endpoints = run_dir / "endpoints.json"
+    wait_for(endpoints.exists, what="endpoints.json")
+    control = ControlClient(json.loads(endpoints.read_text())["gateway"]["control"])
+    try:
+        # Another robot on the same gateway, in a worker of its own.
+        other = procs.spawn(
+            "-m", "gateway.worker", "--config", str(run_dir / "config.yaml"), "--endpoints", str(endpoints),
+            "--index", "1", "--option", "namespaces=[/b]", name="worker-b",
+        )  # fmt: skip
+
+        def by_worker() -> dict[str, int]:
+            return {w["uid"]: w["env_steps"] for w in control.request("status", timeout_s=5.0)["workers"]}
+
+        def uid_of_b() -> str:
+            return next(uid for uid in by_worker() if f"-{other.pid}-" in uid)
+
+        wait_for(lambda: len(by_worker()) == 2 and min(by_worker().values()) >= 20, timeout=90, what="both robots")
+        first_a = next(uid for uid in by_worker() if uid != uid_of_b())
+        emulator_a = procs.procs[0]
+        os.killpg(emulator_a.pid, signal.SIGKILL)  # mid-episode: 50-step episodes, ~20 steps in
+        wait_for(lambda: control.request("status")["episodes_interrupted"] >= 1, timeout=30, what="the interruption")
+        assert first_a not in by_worker()
+        b_then = by_worker()[uid_of_b()]
+        wait_for(lambda: by_worker()[uid_of_b()] >= b_then + 20, what="the other robot to go on")
+
+        robot("/a")  # the robot comes back; the restarted worker picks it up
+        wait_for(
+            lambda: any(uid not in (first_a, uid_of_b()) and n >= 20 for uid, n in by_worker().items()),
+            timeout=90,
+            what="robot /a stepping again",
+        )
+    finally:
+        control.close()
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=60)
+    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    assert summary["interrupted_episodes"] >= 1
+    assert summary["stored_steps"] == summary["acked_steps"] > 0
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
+    assert "RobotDisconnected" in (run_dir / "logs" / "worker-0.log").read_text()
