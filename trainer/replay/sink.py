@@ -111,7 +111,8 @@ class ReplaySink(TrajectorySink):
                     if self._unacked.pop(cid, None) is not None:
                         self._acked.append(cid)
                         self.counters["acked"] += 1
-                if self.refusal is not None and time.monotonic() >= self._refused_until:
+                if self.refusal is not None and msg.meta.get("ids"):
+                    log.info("replay service acknowledges chunks again (after %s)", self.refusal)
                     self.refusal = None
             elif msg.type is MsgType.ERROR:
                 self._on_error(msg)
@@ -142,8 +143,9 @@ class ReplaySink(TrajectorySink):
 
     @property
     def blocked(self) -> bool:
-        """The gateway should stop collecting: the service refuses, or too much is unacknowledged."""
-        return self._refusing() or len(self._unacked) > self.max_backlog
+        """The gateway should stop collecting: the service refused and has not acknowledged
+        anything since, or too much is unacknowledged."""
+        return self.refusal is not None or len(self._unacked) > self.max_backlog
 
     def _refusing(self) -> bool:
         return self.refusal is not None and time.monotonic() < self._refused_until
