@@ -136,6 +136,21 @@ class EpisodeBackendConformance:
             assert np.all(np.isfinite(reward))
             assert_batched_info(info, backend.spec, n)
 
+    def test_returned_arrays_are_not_overwritten_by_later_steps(self, open_backend: BackendFactory) -> None:
+        # The worker sends observations without copying (ZeroMQ copy=False); a backend
+        # that refills the arrays it returned would corrupt messages still in flight.
+        backend = open_backend(max_episode_steps=2)
+        rng = np.random.default_rng(3)
+        obs, _ = backend.reset(seed=0)
+        kept = [{k: v.copy() for k, v in obs.items()}]
+        returned = [obs]
+        for _ in range(3):
+            obs = backend.step(self.actions(backend.spec, self.num_envs, rng))[0]
+            returned.append(obs)
+            kept.append({k: v.copy() for k, v in obs.items()})
+        for t, (now, then) in enumerate(zip(returned, kept)):
+            assert_same_obs(now, then, f"observation returned at call {t}, after later steps")
+
     # ---------------------------------------------------------------- actions
 
     def _assert_refused_then_works(self, backend: EpisodeBackend, bad: np.ndarray, match: str) -> None:
