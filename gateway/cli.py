@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "gateway.inference.server:main",
         "run an inference server (batched policy, hot-swapped weights)",
     ),
+    "train": ("trainer.__main__:main", "run the FSDP trainer (also: torchrun -m trainer)"),
     "bench": ("benchmarks.__main__:main", "measure the data path against raw baselines"),
     "doctor": ("gateway.doctor:main", "show what is installed and what to install"),
     "keys": ("gateway.keys:main", "make CURVE keys for binding beyond loopback"),

@@ -36,6 +36,7 @@ import zmq
 
 from gateway.config import GatewayConfig
 from gateway.episode import EnvSpec
+from gateway.evaluation import Evaluator, LagTracker
 from gateway.hub_clients import ClientRouter
 from gateway.metrics import Histogram, MetricsWriter
 from gateway.policies import ActionSource
@@ -143,6 +144,8 @@ class Gateway:
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)
         self._orphans_deadline = time.monotonic() + config.worker_timeout_s
         self.env_steps = recorder.counters.acked_steps
+        self.evaluator = Evaluator()
+        self.lag = LagTracker()
 
     # ----------------------------------------------------------------- helpers
 
@@ -161,8 +164,17 @@ class Gateway:
     @property
     def collecting(self) -> bool:
         return not (
-            self.paused or self.estopped or self.draining or self.budget_reached or self.recorder.sink.blocked
+            self.paused
+            or self.estopped
+            or self.draining
+            or self.budget_reached
+            or self.recorder.sink.blocked
+            or self.lag_exceeded
         )
+
+    @property
+    def lag_exceeded(self) -> bool:
+        return self.source is not None and self.lag.exceeded(self.source.version)
 
     @property
     def budget_reached(self) -> bool:
@@ -298,6 +310,7 @@ class Gateway:
                 "step": prev["step"],
             }
             episodes = [f"{session.uid}-{int(r)}-{int(e)}" for r, e in zip(rows, prev["episode"])]
+            eval_flags = self.evaluator.flags(session.uid, session.num_envs)[rows]
             new = self.recorder.record(
                 worker=session.uid,
                 task=self.spec.name if self.spec else "",
@@ -306,6 +319,17 @@ class Gateway:
                 obs=prev["obs"],
                 action=prev["action"],
                 scalars=scalars,
+                eval_flags=[bool(f) for f in eval_flags],
+            )
+            self.lag.observe(np.asarray(prev["policy_version"]), np.asarray(prev["t_action"]))
+            self.evaluator.steps(
+                session.uid,
+                rows,
+                a["reward"][rows],
+                a["success"][rows],
+                np.asarray(prev["policy_version"]),
+                done[rows],
+                session.num_envs,
             )
             final = unpack("final_obs", a)
             for j, r in enumerate(rows):
@@ -321,6 +345,11 @@ class Gateway:
             old = session.episodes[i] if i < len(session.episodes) else None
             if old and old in self.recorder.open:
                 self.recorder.end(old, "interrupted")
+            self.evaluator.interrupted(session.uid, int(i))
+        # Every episode that starts now may be an evaluation episode.
+        starting = ~has_prev | np.asarray(a["terminated"]) | np.asarray(a["truncated"])
+        for i in np.flatnonzero(starting):
+            self.evaluator.new_episode(session.uid, int(i), session.num_envs)
         self._rate.append((time.monotonic(), self.env_steps))
         return new
 
@@ -364,7 +393,12 @@ class Gateway:
     def _submit(self, session: WorkerSession) -> None:
         assert self.source is not None and session.pending_obs is not None and session.awaiting is not None
         session.submitted = True
-        self.source.submit((session.uid, session.awaiting), session.pending_obs, time.monotonic() + 5.0)
+        key, deadline = (session.uid, session.awaiting), time.monotonic() + 5.0
+        flags = self.evaluator.flags(session.uid, session.num_envs)
+        if flags.any():  # evaluation episodes act deterministically
+            self.source.submit(key, session.pending_obs, deadline, deterministic=flags.copy())
+        else:
+            self.source.submit(key, session.pending_obs, deadline)
 
     def send_action(
         self,
@@ -421,6 +455,7 @@ class Gateway:
     def drop_worker(self, session: WorkerSession, why: str) -> None:
         interrupted = self.recorder.interrupt(session.uid)
         log.warning("worker %s %s; %d episode(s) closed as interrupted", session.uid, why, interrupted)
+        self.evaluator.forget(session.uid)
         self.sessions.pop(session.uid, None)
         self.by_route.pop(session.route, None)
         self.clients.worker_gone(session)
@@ -447,6 +482,9 @@ class Gateway:
             "rtt": self.rtt.to_dict(),
             "errors": dict(self.errors),
             "paused": self.paused,
+            "lag_exceeded": self.lag_exceeded,
+            "eval": self.evaluator.status(),
+            **self.lag.status(),
             "estopped": self.estopped,
             "estops": self.estops,
             "draining": self.draining,
@@ -516,6 +554,26 @@ class Gateway:
             return {"max_env_steps": value}
         if cmd == "estop":
             return self.estop(bool(meta.get("engaged", True)), str(meta.get("reason", "")))
+        if cmd == "evaluate":
+            episodes = meta.get("episodes")
+            if not isinstance(episodes, int) or isinstance(episodes, bool) or episodes < 1:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, f"episodes must be a positive integer, got {episodes!r}"
+                )
+            return self.evaluator.request(episodes, self.env_steps)
+        if cmd == "trainer_version":
+            version, made, max_lag = (
+                meta.get("version"),
+                meta.get("t", time.time()),
+                meta.get("max_policy_lag"),
+            )
+            if not isinstance(version, int) or version < 0 or not isinstance(made, (int, float)):
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, f"trainer_version needs version (int) and t, got {meta}"
+                )
+            self.lag.report(version, float(made), max_lag if isinstance(max_lag, int) else None)
+            self._resubmit_waiting()
+            return self.lag.status()
         if cmd == "ready":
             return self.ready(meta.get("worker"), meta.get("env"))
         if cmd == "shutdown":
@@ -523,7 +581,8 @@ class Gateway:
             return {"stopping": True}
         raise ProtocolError(
             ErrorCode.BAD_REQUEST,
-            f"unknown command {cmd!r} (status, pause, resume, set_budget, estop, ready, drain, shutdown)",
+            f"unknown command {cmd!r} (status, pause, resume, set_budget, estop, ready, evaluate, "
+            "trainer_version, drain, shutdown)",
         )
 
     def estop(self, engaged: bool, reason: str = "") -> dict[str, Any]:

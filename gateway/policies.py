@@ -117,8 +117,12 @@ class ActionSource(abc.ABC):
     """
 
     @abc.abstractmethod
-    def submit(self, key: Any, obs: Obs, deadline: float) -> None:
-        """Ask for actions for ``obs``; ``deadline`` is on the ``time.monotonic`` clock."""
+    def submit(self, key: Any, obs: Obs, deadline: float, deterministic: np.ndarray | None = None) -> None:
+        """Ask for actions for ``obs``; ``deadline`` is on the ``time.monotonic`` clock.
+
+        ``deterministic`` (bool per row) asks for the policy's deterministic action on
+        those rows (evaluation episodes); sources without a stochastic mode ignore it.
+        """
 
     @abc.abstractmethod
     def results(self) -> list[tuple[Any, np.ndarray | None, np.ndarray | None, str | None]]:
@@ -151,7 +155,8 @@ class InProcessSource(ActionSource):
         self.policy = policy
         self._done: list[tuple[Any, np.ndarray | None, np.ndarray | None, str | None]] = []
 
-    def submit(self, key: Any, obs: Obs, deadline: float) -> None:
+    def submit(self, key: Any, obs: Obs, deadline: float, deterministic: np.ndarray | None = None) -> None:
+        # Scripted policies have one mode; RandomPolicy is random by design, also in evaluation.
         actions = self.policy.act(obs)
         n = len(actions)
         self._done.append((key, actions, np.full(n, self.policy.version, dtype=np.int64), None))

@@ -30,6 +30,7 @@ CONFIG_BLOCKS: dict[str, str] = {
     "run": "gateway.config:RunConfig",
     "inference": "gateway.inference.config:InferenceConfig",
     "replay": "trainer.replay.config:ReplayConfig",
+    "trainer": "trainer.config:TrainerConfig",
 }
 """Top-level blocks of an experiment config and the dataclass that validates each."""
 
@@ -98,11 +99,13 @@ PLANS: dict[str, str] = {
     "env": "gateway.services:plan_workers",
     "inference": "gateway.inference.services:plan",
     "replay": "trainer.replay.plan:plan_replay",
+    "trainer": "trainer.services:plan",
 }
 """Service plans by config block (see :mod:`gateway.services`), run in this order."""
 
 SUMMARY_HOOKS: dict[str, str] = {
     "inference": "gateway.inference.services:summary",
+    "trainer": "trainer.summary:learning_curve",
 }
 """By config block: ``func(cfg, run_dir, summary) -> None`` adding keys to ``summary.json``."""
 
@@ -117,3 +120,10 @@ PREFLIGHT: dict[str, str] = {
 }
 """By config block: ``func(cfg, spec) -> None`` raising ``ConfigError`` before any
 process starts (e.g. networks that do not fit the env spec)."""
+
+FINALIZERS: dict[str, str] = {
+    "trainer": "trainer.summary:final_evaluation",
+}
+"""By config block (when enabled): ``func(cfg, control, run_dir) -> dict`` run by
+``loopgate up`` after collection ends and before the gateway drains (e.g. the final
+evaluation); the dict goes into ``summary.json``."""

@@ -36,7 +36,15 @@ from gateway.config import ConfigError, ExperimentConfig, load_config
 from gateway.live import LiveView
 from gateway.metrics import Histogram, MetricsWriter
 from gateway.protocol import Message, MsgType, RemoteError, Timeout, raise_for_error, recv, send
-from gateway.registry import PLANS, PREFLIGHT, STORE_READERS, SUMMARY_HOOKS, experiment_spec, resolve
+from gateway.registry import (
+    FINALIZERS,
+    PLANS,
+    PREFLIGHT,
+    STORE_READERS,
+    SUMMARY_HOOKS,
+    experiment_spec,
+    resolve,
+)
 from gateway.services import RunContext, Service
 from gateway.store import EpisodeStore
 from gateway.trajectory import StoreCount
@@ -160,6 +168,10 @@ class Supervisor:
             if code is None:
                 continue
             proc.last_exit = code
+            # Take down whatever the process left behind in its session (e.g. the
+            # ranks of a torchrun launcher that was killed) before anything restarts.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.popen.pid, signal.SIGKILL)
             s = proc.service
             if code == 0 and s.finishes:
                 proc.state = "finished"
@@ -251,7 +263,12 @@ def count_store(cfg: ExperimentConfig, run_dir: Path) -> StoreCount:
 
 
 def write_summary(
-    cfg: ExperimentConfig, run_dir: Path, status: dict[str, Any], elapsed: float, outcome: str
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    status: dict[str, Any],
+    elapsed: float,
+    outcome: str,
+    final: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     count = count_store(cfg, run_dir)
     acked = int(status.get("acked_steps", 0))
@@ -274,6 +291,17 @@ def write_summary(
         "wall_s": round(elapsed, 1),
         "protocol_errors": status.get("errors", {}),
     }
+    if status.get("trainer_version"):
+        lag = status.get("policy_lag", {})
+        summary.update(
+            {
+                "policy_version": int(status["trainer_version"]),
+                "policy_lag_mean": lag.get("mean", 0.0),
+                "policy_lag_p99": lag.get("p99", 0.0),
+                "policy_lag_s_p99": status.get("policy_lag_s", {}).get("p99", 0.0),
+            }
+        )
+    summary.update(final or {})
     for block in SUMMARY_HOOKS:
         if cfg.has(block):
             resolve(SUMMARY_HOOKS, block, "summary hook")(cfg, run_dir, summary)
@@ -344,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         return True
 
     outcome = "completed"
+    waits_for_finish = any(s.finishes for s in services)
+    final: dict[str, Any] = {}
     try:
         sup.start_all(ready)
         collect_start = time.monotonic()
@@ -356,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                 view.update(status, sup.describe(), {})
                 record = {k: v for k, v in status.items() if k not in ("spec", "rtt", "workers")}
                 metrics.emit({"services": {p["name"]: p["state"] for p in sup.describe()}, **record})
-                if status.get("budget_reached") or sup.finished:
+                # A run with a finishing service (the trainer) ends when it finishes; the
+                # step budget only stops collection (and the trainer, which then finishes).
+                if sup.finished or (status.get("budget_reached") and not waits_for_finish):
                     break
                 time.sleep(cfg.run.status_interval_s)
         if sup.failed:
@@ -366,12 +398,16 @@ def main(argv: list[str] | None = None) -> int:
             outcome = "interrupted"
             log.info("interrupted: draining and stopping")
         elapsed = time.monotonic() - collect_start
+        if outcome == "completed":
+            for block in FINALIZERS:
+                if cfg.has(block) and getattr(getattr(cfg, block), "enabled", False):
+                    final.update(resolve(FINALIZERS, block, "finalizer")(cfg, control, run.run_dir))
         status = drain(control, cfg, status)
     finally:
         sup.stop(timeout_s=cfg.run.drain_timeout_s)
         control.close()
         metrics.close()
-    summary = write_summary(cfg, run.run_dir, status, max(elapsed, 1e-9), outcome)
+    summary = write_summary(cfg, run.run_dir, status, max(elapsed, 1e-9), outcome, final)
     log.info("summary: %s", json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}))
     log.info("wrote %s (total %.1f s)", run.run_dir / "summary.json", time.monotonic() - started)
     return 0 if outcome == "completed" else (130 if outcome == "interrupted" else 1)

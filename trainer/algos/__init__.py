@@ -1,0 +1,92 @@
+"""Learning algorithms: one small module each, one registry, one interface.
+
+An algorithm owns its networks and optimizers and turns batches from the replay service
+into updates::
+
+    algo = make_algorithm("sac", spec, net_config, options, device=device)
+    algo.shard(mp_policy)            # FSDP2 over its networks, then its optimizers
+    for batch in batches:
+        stats = algo.update(batch)   # {"loss/critic": ..., "skipped": 0.0, ...}
+    publish(algo.actor)              # the policy the inference servers serve
+
+Adding one (e.g. PPO with V-trace corrections for lagged data) is a new module in this
+folder and one line in :data:`ALGORITHMS`.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from gateway.config import build
+from gateway.episode import EnvSpec
+
+ALGORITHMS: dict[str, str] = {
+    "sac": "trainer.algos.sac:SAC",
+    "bc": "trainer.algos.bc:BehaviourCloning",
+}
+"""Algorithms by the name ``trainer.algorithm`` uses."""
+
+
+class Algorithm(abc.ABC):
+    """Networks + optimizers + the update rule."""
+
+    Config: ClassVar[type]
+    """Frozen dataclass of the algorithm's options (``trainer.options``)."""
+    needs_next_obs: ClassVar[bool] = True
+    """Whether batches must carry ``next_obs/*`` (TD learning) or not (cloning)."""
+
+    def __init__(self, spec: EnvSpec, net_config: Any, config: Any, *, device: torch.device) -> None:
+        self.spec, self.net_config, self.config, self.device = spec, net_config, config, device
+        self.skipped_updates = 0
+
+    @property
+    @abc.abstractmethod
+    def actor(self) -> nn.Module:
+        """The policy network whose weights are published."""
+
+    @abc.abstractmethod
+    def modules(self) -> dict[str, nn.Module]:
+        """Every trained network by name (sharded, checkpointed)."""
+
+    @abc.abstractmethod
+    def optimizers(self) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
+        """Every optimizer by name, with the module whose parameters it steps."""
+
+    @abc.abstractmethod
+    def build_optimizers(self) -> None:
+        """Create optimizers (after sharding, so they hold the sharded parameters)."""
+
+    @abc.abstractmethod
+    def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One gradient step on ``batch``; non-finite losses skip the step (``skipped``: 1)."""
+
+    def forward_methods(self) -> dict[str, tuple[str, ...]]:
+        """Per module, methods besides ``forward`` that training calls (FSDP must gather for them)."""
+        return {"actor": ("sample", "distribution")}
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """Tensors besides modules and optimizers to checkpoint (e.g. SAC's temperature)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        return None
+
+
+def make_algorithm(
+    name: str, spec: EnvSpec, net_config: Any, options: dict[str, Any], *, device: torch.device
+) -> Algorithm:
+    """Build the algorithm registered as ``name`` with validated options."""
+    target = ALGORITHMS.get(name)
+    if target is None:
+        raise ValueError(
+            f"trainer.algorithm: unknown algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}"
+        )
+    module_name, _, attr = target.partition(":")
+    cls: type[Algorithm] = getattr(importlib.import_module(module_name), attr)
+    config = build(cls.Config, options, "trainer.options")
+    return cls(spec, net_config, config, device=device)

@@ -1,0 +1,305 @@
+"""The training loop: replay batches in, updates, versioned weights out.
+
+Every rank samples its share of each batch from the replay service (several requests
+in flight, so sampling overlaps compute), converts it to tensors (pinned, non-blocking
+copies on CUDA) and takes an update; FSDP averages the gradients. Every
+``publish_every`` updates a new policy version goes to the inference servers
+(:mod:`trainer.publish`), every ``checkpoint_every`` a checkpoint is saved
+(:mod:`trainer.checkpoint`), and every ``eval_every`` the gateway is asked for
+evaluation episodes. Execution modes (``trainer.mode``):
+
+- ``async`` / ``disaggregated``: collection never waits for training; the gateway pauses
+  while the served policy is more than ``max_policy_lag`` versions behind;
+- ``sync``: rounds of ``collect_steps`` env steps (the gateway's step budget is raised
+  round by round), then ``updates_per_round`` updates, then a publication.
+
+Stops at ``max_updates``, when the run's step budget is spent, when a periodic
+evaluation reaches ``target_success_rate``, or on SIGTERM; always with a checkpoint.
+Rank 0 decides and the decision is broadcast, so every rank stops at the same update.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gateway.config import ExperimentConfig
+from gateway.episode import EnvSpec
+from gateway.metrics import MetricsWriter
+from gateway.protocol import RemoteError, Timeout
+from trainer import checkpoint
+from trainer.algos import Algorithm, make_algorithm
+from trainer.distributed import World, shard
+from trainer.publish import Publisher, full_state_dict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    updates: int = 0
+    version: int = 0
+    samples: int = 0
+    skipped: int = 0
+    wait_s: float = 0.0
+    compute_s: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def saved(self) -> dict[str, int]:
+        return {"updates": self.updates, "version": self.version, "samples": self.samples}
+
+
+class Trainer:
+    def __init__(self, cfg: ExperimentConfig, run_dir: Path, endpoints: dict[str, Any], world: World) -> None:
+        self.cfg, self.tc, self.run_dir, self.world = cfg, cfg.trainer, run_dir, world
+        self.spec = EnvSpec.from_dict(json.loads((run_dir / "spec.json").read_text()))
+        torch.set_num_threads(self.tc.threads)
+        torch.manual_seed(self.tc.seed + world.rank)
+        net = cfg.inference.network
+        self.algo: Algorithm = make_algorithm(
+            self.tc.algorithm, self.spec, net, dict(self.tc.options), device=world.device
+        )
+        if world.size > 1:  # every rank starts from rank 0's initial weights
+            for module in self.algo.modules().values():
+                for p in module.parameters():
+                    dist.broadcast(p.data, src=0)
+        methods = self.algo.forward_methods()
+        for name, module in self.algo.modules().items():
+            shard(module, world, methods.get(name, ()))
+        self.algo.build_optimizers()
+        self.ckpt_dir = run_dir / "checkpoints"
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.c = Counters()
+        latest = checkpoint.latest(self.ckpt_dir)
+        if latest is not None:
+            saved = checkpoint.load(self.algo, latest)
+            self.c.updates, self.c.version, self.c.samples = (
+                saved["updates"],
+                saved["version"],
+                saved["samples"],
+            )
+        from trainer.replay.client import ReplayClient
+
+        self.replay = ReplayClient(endpoints["replay"]["sample"], prefetch=self.tc.prefetch)
+        self.control: Any = None
+        self.publisher: Publisher | None = None
+        if world.is_main:
+            from gateway.supervisor import ControlClient
+
+            self.control = ControlClient(endpoints["gateway"]["control"])
+            targets = endpoints.get("inference", []) if cfg.inference.enabled else []
+            self.publisher = Publisher(
+                spec=self.spec,
+                net_config=net,
+                targets=targets,
+                onnx=cfg.inference.backend == "onnxruntime",
+                control=_Lagged(endpoints["gateway"]["control"], self.tc),
+            )
+        self.metrics = MetricsWriter(run_dir / "metrics.jsonl" if world.is_main else None, "trainer")
+        self.stop_requested = False
+        self.stop_reason = ""
+        self._last_eval_round = 0
+        self._budget_reached = False
+
+    # ------------------------------------------------------------------ pieces
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        from trainer.replay.client import ReplayUnavailable, SampleTimeout
+
+        per_rank = self.tc.batch_size // self.world.size
+        started = time.monotonic()
+        warned = False
+        while True:
+            try:
+                arrays = self.replay.sample(
+                    per_rank, tables=dict(self.tc.tables), timeout_s=self.tc.sample_timeout_s
+                )
+                break
+            except (SampleTimeout, ReplayUnavailable) as exc:
+                if not warned:
+                    log.info("waiting for replay data: %s", exc)
+                    warned = True
+                if self.stop_requested:
+                    raise
+        self.c.wait_s += time.monotonic() - started
+        pin = self.world.device.type == "cuda"
+        out = {}
+        for k, v in arrays.items():
+            if not isinstance(v, np.ndarray) or v.dtype.kind not in "biuf":
+                continue
+            t = torch.from_numpy(np.ascontiguousarray(v))
+            out[k] = t.pin_memory().to(self.world.device, non_blocking=True) if pin else t
+        return out
+
+    def publish(self) -> None:
+        self.c.version += 1
+        arrays = full_state_dict(self.algo.actor)  # a collective: every rank takes part
+        if self.publisher is not None:
+            self.publisher.submit(self.c.version, arrays)
+
+    def evaluate_if_due(self) -> None:
+        if self.control is None or not self.tc.eval_every or self.c.updates % self.tc.eval_every:
+            return
+        try:
+            self.control.request("evaluate", timeout_s=5.0, episodes=self.tc.eval_episodes)
+        except (Timeout, RemoteError) as exc:
+            log.warning("could not start an evaluation: %s", exc)
+
+    def poll_gateway(self) -> None:
+        """Rank 0: stop when the step budget is spent or an evaluation hit its target."""
+        if self.control is None:
+            return
+        try:
+            status = self.control.request("status", timeout_s=5.0)
+        except (Timeout, RemoteError):
+            return
+        self._budget_reached = bool(status.get("budget_reached"))
+        last = (status.get("eval") or {}).get("last")
+        if last and last["round"] != self._last_eval_round:
+            self._last_eval_round = last["round"]
+            self.metrics.emit({"eval": last, "updates": self.c.updates, "env_steps": status.get("env_steps")})
+            log.info(
+                "evaluation round %d: success %.2f, return %.2f (version %d)",
+                last["round"],
+                last["success_rate"],
+                last["return_mean"],
+                last["policy_version"],
+            )
+            target = self.tc.target_success_rate
+            if target is not None and last["success_rate"] >= target:
+                self.request_stop(f"evaluation reached success rate {last['success_rate']:.2f}")
+        if self._budget_reached and self.tc.mode != "sync":
+            self.request_stop("the run's env step budget is spent")
+
+    def request_stop(self, why: str) -> None:
+        if not self.stop_requested:
+            self.stop_requested, self.stop_reason = True, why
+
+    def should_stop(self) -> bool:
+        """Rank 0's decision, shared with every rank."""
+        if self.tc.max_updates is not None and self.c.updates >= self.tc.max_updates:
+            self.request_stop(f"{self.c.updates} updates done")
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
+        if self.world.size > 1:
+            dist.broadcast(flag, src=0)
+        return bool(flag.item() > 0)
+
+    def update(self) -> None:
+        batch = self.batch()
+        t0 = time.monotonic()
+        stats = self.algo.update(batch)
+        self.c.compute_s += time.monotonic() - t0
+        self.c.updates += 1
+        self.c.samples += self.tc.batch_size
+        self.c.skipped += int(stats.get("skipped", 0))
+        if stats.get("skipped"):
+            log.warning("update %d skipped: non-finite loss or gradients", self.c.updates)
+        self.c.stats = stats
+        if self.c.updates % self.tc.publish_every == 0:
+            self.publish()
+        if self.c.updates % self.tc.checkpoint_every == 0:
+            checkpoint.save(self.algo, self.ckpt_dir, self.c.saved(), is_main=self.world.is_main)
+        self.evaluate_if_due()
+
+    # -------------------------------------------------------------------- loop
+
+    def run(self) -> int:
+        self.publish()  # the servers act with the trainer's weights from the start
+        last_report = time.monotonic()
+        started, start_updates, start_wait, start_compute = time.monotonic(), self.c.updates, 0.0, 0.0
+        try:
+            while not self.should_stop():
+                if self.tc.mode == "sync":
+                    self.sync_round()
+                else:
+                    self.update()
+                now = time.monotonic()
+                if now - last_report >= 1.0:
+                    self.poll_gateway()
+                    elapsed = now - started
+                    busy = self.c.wait_s - start_wait + self.c.compute_s - start_compute
+                    self.metrics.emit(
+                        {
+                            "updates": self.c.updates,
+                            "version": self.c.version,
+                            "samples": self.c.samples,
+                            "updates_per_s": round((self.c.updates - start_updates) / elapsed, 2),
+                            "samples_per_s": round(
+                                (self.c.updates - start_updates) * self.tc.batch_size / elapsed, 1
+                            ),
+                            "data_wait_frac": round((self.c.wait_s - start_wait) / busy, 3) if busy else 0.0,
+                            "skipped_updates": self.c.skipped,
+                            **self.c.stats,
+                            "publications_refused": self.publisher.refused if self.publisher else 0,
+                        }
+                    )
+                    last_report = now
+        except (Timeout, RemoteError) as exc:
+            if not self.stop_requested:
+                raise
+            log.info("stopping while waiting for data (%s)", exc)
+        log.info("trainer stopping: %s", self.stop_reason or "asked to")
+        self.publish()
+        checkpoint.save(self.algo, self.ckpt_dir, self.c.saved(), is_main=self.world.is_main)
+        return 0
+
+    def sync_round(self) -> None:
+        """Collect ``collect_steps`` steps, take ``updates_per_round`` updates, publish."""
+        if self.control is not None:
+            status = self.control.request("status", timeout_s=5.0)
+            target = int(status["env_steps"]) + self.tc.collect_steps
+            budget = self.cfg.run.max_env_steps
+            if budget is not None and target > budget:
+                target = budget
+            self.control.request("set_budget", timeout_s=5.0, max_env_steps=target)
+            while not self.stop_requested:
+                status = self.control.request("status", timeout_s=5.0)
+                if int(status["env_steps"]) >= target:
+                    break
+                time.sleep(0.05)
+            if budget is not None and target >= budget:
+                self.request_stop("the run's env step budget is spent")
+        if self.should_stop():
+            return
+        for _ in range(self.tc.updates_per_round):
+            self.update()
+        self.publish()
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.flush()
+            self.publisher.close()
+        self.replay.close()
+        if self.control is not None:
+            self.control.close()
+        self.metrics.close()
+
+
+class _Lagged:
+    """The publisher's line to the gateway: each new version, with the lag bound of async mode."""
+
+    def __init__(self, address: str, tc: Any) -> None:
+        from gateway.supervisor import ControlClient
+
+        self.client = ControlClient(address)
+        self.max_lag = tc.max_policy_lag if tc.mode != "sync" else None
+
+    def request(self, cmd: str, timeout_s: float = 5.0, **meta: Any) -> dict[str, Any]:
+        return self.client.request(cmd, timeout_s=timeout_s, max_policy_lag=self.max_lag, **meta)
+
+
+def install_stop(trainer: Trainer) -> None:
+    def _stop(signum: int, frame: Any) -> None:
+        trainer.request_stop(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)

@@ -1,0 +1,134 @@
+"""Weight publication: the trainer's newest policy to every inference server.
+
+Every ``publish_every`` updates all ranks gather the actor's full state dict onto rank 0
+(DCP's ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``: one
+all-gather, the only part that holds training up); rank 0 checks every value is finite
+and hands the arrays to a background thread, which sends them as bucketed WEIGHTS
+messages (and an ONNX export when an onnxruntime backend serves) and tells the gateway
+the trainer's version, for policy-lag accounting. A publication still in flight when
+the next one is due is superseded by the newer one, never queued behind it.
+
+Non-finite weights are never published: the publication is refused, counted and logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from gateway.episode import EnvSpec
+from gateway.protocol import RemoteError, Timeout
+
+log = logging.getLogger(__name__)
+
+
+def full_state_dict(module: nn.Module) -> dict[str, np.ndarray]:
+    """The module's full (unsharded) state dict as numpy arrays; every rank must call it."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(module, options=options)
+    return {
+        k: v.detach().to(torch.float32 if v.is_floating_point() else v.dtype).contiguous().numpy()
+        for k, v in state.items()
+    }
+
+
+class Publisher:
+    """Rank 0's publication thread; other ranks only take part in the gather."""
+
+    def __init__(
+        self,
+        *,
+        spec: EnvSpec,
+        net_config: Any,
+        targets: Sequence[Mapping[str, Any] | str],
+        onnx: bool,
+        control: Any | None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        from gateway.inference.weights import WeightsPublisher
+
+        self.spec, self.net_config, self.onnx = spec, net_config, onnx
+        self.control = control
+        self.publisher = WeightsPublisher(targets, timeout_s=timeout_s) if targets else None
+        self.published_version = 0
+        self.refused = 0
+        self.failures = 0
+        self.history: list[tuple[int, float]] = []
+        self._queue: queue.Queue[tuple[int, dict[str, np.ndarray], float] | None] = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, version: int, arrays: dict[str, np.ndarray]) -> bool:
+        """Queue ``arrays`` as ``version`` (replacing a queued older one); False if refused."""
+        bad = [k for k, v in arrays.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+        if bad:
+            self.refused += 1
+            log.error("version %d not published: non-finite values in %s", version, ", ".join(bad[:5]))
+            return False
+        with contextlib.suppress(queue.Empty):
+            self._queue.get_nowait()  # superseded before it was sent
+        self._queue.put((version, arrays, time.time()))
+        return True
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            version, arrays, created = item
+            started = time.monotonic()
+            try:
+                if self.control is not None:
+                    # The gateway measures policy lag against when a version was made,
+                    # not when it reached the servers.
+                    self.control.request("trainer_version", timeout_s=5.0, version=version, t=created)
+                if self.publisher is not None:
+                    results = self.publisher.publish(arrays, version, check=False)
+                    if self.onnx:
+                        results += self.publisher.publish_onnx(self._export(arrays), version, check=False)
+                    failed = [r for r in results if not r.get("ok")]
+                    for r in failed:
+                        log.warning(
+                            "publication of version %d refused by %s: [%s] %s",
+                            version,
+                            r["address"],
+                            r.get("code"),
+                            r.get("message"),
+                        )
+                    self.failures += bool(failed)
+                self.published_version = version
+                self.history.append((version, time.time()))
+                log.debug("published version %d in %.1f ms", version, (time.monotonic() - started) * 1e3)
+            except (Timeout, RemoteError) as exc:
+                # A server that misses this publication catches up with the next one.
+                self.failures += 1
+                log.warning("publication of version %d incomplete: %s", version, exc)
+
+    def _export(self, arrays: dict[str, np.ndarray]) -> bytes:
+        from trainer.networks import export_onnx, load_numpy, make_actor
+
+        actor = make_actor(self.spec, self.net_config)
+        load_numpy(actor, arrays)
+        return export_onnx(actor)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until the queued publication has been handed over."""
+        deadline = time.monotonic() + timeout_s
+        while not self._queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        if self.publisher is not None:
+            self.publisher.close()

@@ -1,0 +1,103 @@
+"""What the trainer adds to a run's end: the final evaluation and the learning curve.
+
+``final_evaluation`` (registered in ``gateway.registry.FINALIZERS``) asks the gateway
+for ``trainer.final_eval_episodes`` evaluation episodes with the deterministic policy
+once training is done and waits for the round; ``learning_curve`` (a summary hook)
+plots every evaluation round in ``metrics.jsonl`` against env steps into
+``learning_curve.png``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from gateway.config import ExperimentConfig
+from gateway.metrics import read_metrics
+from gateway.protocol import RemoteError, Timeout
+
+log = logging.getLogger(__name__)
+
+
+def final_evaluation(
+    cfg: ExperimentConfig, control: Any, run_dir: Path, timeout_s: float = 600.0
+) -> dict[str, Any]:
+    episodes = cfg.trainer.final_eval_episodes
+    if not episodes:
+        return {}
+    try:
+        # The trainer's last publication must be what acts: wait until the servers have it.
+        status = control.request("status", timeout_s=5.0)
+        wanted = int(status.get("trainer_version", 0))
+        deadline = time.monotonic() + 60.0
+        while int(status.get("policy_version", 0)) < wanted and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status = control.request("status", timeout_s=5.0)
+        done_before = int((status.get("eval") or {}).get("rounds_done", 0))
+        started = control.request("evaluate", timeout_s=5.0, episodes=episodes)
+        while not started.get("started"):  # a periodic round is still running: let it end
+            time.sleep(0.2)
+            started = control.request("evaluate", timeout_s=5.0, episodes=episodes)
+        log.info("final evaluation: %d episodes with the deterministic policy", episodes)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ev = control.request("status", timeout_s=5.0).get("eval") or {}
+            if (
+                int(ev.get("rounds_done", 0)) > done_before
+                and ev.get("last", {}).get("round") == started["round"]
+            ):
+                last = ev["last"]
+                log.info(
+                    "final evaluation: success rate %.2f, return %.2f",
+                    last["success_rate"],
+                    last["return_mean"],
+                )
+                return {
+                    "eval_success_rate": last["success_rate"],
+                    "eval_return": last["return_mean"],
+                    "eval_episodes": last["episodes"],
+                    "eval_policy_version": last["policy_version"],
+                }
+            time.sleep(0.2)
+        log.error("final evaluation did not finish within %.0f s", timeout_s)
+    except (Timeout, RemoteError) as exc:
+        log.error("final evaluation failed: %s", exc)
+    return {"eval_success_rate": None, "eval_return": None}
+
+
+def learning_curve(cfg: ExperimentConfig, run_dir: Path, summary: dict[str, Any]) -> None:
+    if not cfg.trainer.enabled:
+        return
+    points = sorted(
+        {
+            (r["env_steps"], r["eval"]["success_rate"], r["eval"]["return_mean"])
+            for r in read_metrics(run_dir / "metrics.jsonl")
+            if r.get("service") == "trainer" and "eval" in r and r.get("env_steps") is not None
+        }
+    )
+    if summary.get("eval_success_rate") is not None:
+        points.append((summary["env_steps"], summary["eval_success_rate"], summary["eval_return"]))
+    if not points:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, success, ret = zip(*points)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, success, marker="o", color="tab:blue", label="success rate")
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("evaluation success rate")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    twin = ax.twinx()
+    twin.plot(steps, ret, marker=".", color="tab:orange", alpha=0.7, label="return")
+    twin.set_ylabel("evaluation return")
+    ax.set_title(f"{cfg.name}: {cfg.trainer.algorithm} learning curve")
+    fig.tight_layout()
+    fig.savefig(run_dir / "learning_curve.png", dpi=100)
+    plt.close(fig)
+    summary["learning_curve"] = "learning_curve.png"
