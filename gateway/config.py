@@ -287,7 +287,9 @@ def build(cls: type, data: Mapping[str, Any], where: str) -> Any:
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
+        text = str(exc)
+        # Validators usually name the full field already ("env.options.max_delta ...").
+        raise ConfigError(text if text.startswith(f"{where}.") else f"{where}: {text}") from exc
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

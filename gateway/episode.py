@@ -15,9 +15,12 @@ Gymnasium semantics and a leading env dimension on every array::
     backend.close()
 
 ``info`` maps names to arrays with the leading env dimension (``"success"``: bool) and,
-for backends with ``SAME_STEP`` autoreset, ``"final_obs"``: a dict of observation
-arrays. Everything in loopgate adapts to these semantics; backends adapt their
-simulator or robot to them, never the reverse.
+for backends with ``SAME_STEP`` autoreset, on steps where some episode ended,
+``"final_obs"``: a dict of observation arrays (rows of envs that did not finish are
+meaningless). Arrays a backend returns belong to the caller: the backend must not
+refill them on a later step (the worker sends them without copying). Everything in
+loopgate adapts to these semantics; backends adapt their simulator or robot to them,
+never the reverse.
 """
 
 from __future__ import annotations
@@ -92,9 +95,9 @@ class ActionSpec:
     shape: tuple[int, ...]
     """Shape of one env's action."""
     low: tuple[float, ...]
-    """Lower bound per element (flattened, C order)."""
+    """Lower bound per element (flattened, C order); a single number is broadcast."""
     high: tuple[float, ...]
-    """Upper bound per element (flattened, C order)."""
+    """Upper bound per element (flattened, C order); a single number is broadcast."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
