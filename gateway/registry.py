@@ -117,6 +117,7 @@ where the trajectories went; the default reads ``<run>/episodes``."""
 
 PREFLIGHT: dict[str, str] = {
     "inference": "gateway.inference.services:preflight",
+    "trainer": "trainer.services:preflight",
 }
 """By config block: ``func(cfg, spec) -> None`` raising ``ConfigError`` before any
 process starts (e.g. networks that do not fit the env spec)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from gateway.config import ExperimentConfig
 from gateway.services import RunContext, Service
@@ -37,3 +38,37 @@ def plan(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
             env={"OMP_NUM_THREADS": str(tc.threads)},
         )
     ]
+
+
+def preflight(cfg: ExperimentConfig, spec: Any) -> None:
+    """Refuse a trainer that could not train or whose results would mislead, before anything starts."""
+    from gateway.config import ConfigError
+    from gateway.inference.config import network_problems
+
+    tc = cfg.trainer
+    if not tc.enabled:
+        return
+    if not cfg.replay.enabled:
+        raise ConfigError("trainer.enabled needs the replay service: set replay.enabled=true")
+    tables = {t.name for t in cfg.replay.tables}
+    missing = sorted(set(tc.tables) - tables)
+    if missing:
+        raise ConfigError(
+            f"trainer.tables names {missing}, which replay.tables does not define (has {sorted(tables)})"
+        )
+    problems = network_problems(spec, cfg.inference.network)
+    if problems:
+        raise ConfigError(
+            "inference.network (the trainer's networks too) does not fit the env spec: " + "; ".join(problems)
+        )
+    if (tc.eval_every or tc.final_eval_episodes) and cfg.policy.kind != "inference":
+        raise ConfigError(
+            f"trainer evaluations would measure policy.kind {cfg.policy.kind!r}, not the trained policy: "
+            "set policy.kind=inference (or trainer.eval_every=0 and trainer.final_eval_episodes=0)"
+        )
+    from trainer.algos import ALGORITHMS
+
+    if tc.algorithm not in ALGORITHMS:
+        raise ConfigError(
+            f"trainer.algorithm: unknown algorithm {tc.algorithm!r}; known: {', '.join(sorted(ALGORITHMS))}"
+        )
