@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
@@ -42,7 +43,7 @@ def plan(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
 
 def preflight(cfg: ExperimentConfig, spec: Any) -> None:
     """Refuse a trainer that could not train or whose results would mislead, before anything starts."""
-    from gateway.config import ConfigError
+    from gateway.config import ConfigError, build
     from gateway.inference.config import network_problems
 
     tc = cfg.trainer
@@ -72,3 +73,5 @@ def preflight(cfg: ExperimentConfig, spec: Any) -> None:
         raise ConfigError(
             f"trainer.algorithm: unknown algorithm {tc.algorithm!r}; known: {', '.join(sorted(ALGORITHMS))}"
         )
+    module, _, attr = ALGORITHMS[tc.algorithm].partition(":")
+    build(getattr(importlib.import_module(module), attr).Config, dict(tc.options), "trainer.options")
