@@ -17,6 +17,7 @@ SUITES: dict[str, str] = {
     "gateway": "benchmarks.gateway_rtt:run",
     "collect": "benchmarks.collect:run",
     "ros2": "benchmarks.ros2_latency:run",
+    "replay": "benchmarks.replay:run",
 }
 """Suites in the order they run."""
 

@@ -31,6 +31,11 @@ from trainer.replay.table import Table
 log = logging.getLogger(__name__)
 
 
+TRANSITION_FIELDS = ("action", "reward", "terminated", "truncated", "policy_version")
+"""Step columns a transition batch carries besides observations (``success`` and
+``step`` stay in the store and in sequence batches: fewer frames per batch)."""
+
+
 class Waiting(Exception):
     """A sample cannot be served now (empty table, rate limiter); the text says why."""
 
@@ -162,7 +167,9 @@ class ReplayBuffer:
         if cfg.item == "transition":
             rows = table.rows[slots, 0]
             boot = table.boot[slots]
-            for key in store.columns:
+            for key in TRANSITION_FIELDS:
+                out[key] = store.take(key, rows)
+            for key in obs_keys:
                 out[key] = store.take(key, rows)
             for key in obs_keys:
                 out["next_" + key] = store.take(key, boot)
@@ -171,9 +178,8 @@ class ReplayBuffer:
         rows = table.rows[slots]  # [B, n], -1 beyond the end of the episode
         valid = rows >= 0
         first = rows[:, 0]
-        for key in store.columns:
-            if key not in ("reward", "terminated", "truncated"):
-                out[key] = store.take(key, first)
+        for key in ("action", "policy_version", *obs_keys):
+            out[key] = store.take(key, first)
         reward = np.where(valid, store.take("reward", np.where(valid, rows, 0)), 0.0)
         powers = cfg.gamma ** np.arange(rows.shape[1])
         out["reward"] = (reward * powers).sum(axis=1).astype(np.float32)
