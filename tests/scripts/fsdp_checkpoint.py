@@ -1,0 +1,74 @@
+"""Run by tests/test_trainer_fsdp.py under torchrun (or alone): train, checkpoint, reload.
+
+    torchrun --standalone --nproc_per_node=2 tests/scripts/fsdp_checkpoint.py save DIR OUT.json
+    python tests/scripts/fsdp_checkpoint.py load DIR OUT.json
+
+Writes the counters and a fingerprint of the full actor state dict to OUT.json (rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from gateway.inference.config import NetworkConfig  # noqa: E402
+from sim_bridges.reach import ReachTask  # noqa: E402
+from trainer import checkpoint  # noqa: E402
+from trainer.algos import make_algorithm  # noqa: E402
+from trainer.distributed import init_distributed, shard, shutdown  # noqa: E402
+from trainer.publish import full_state_dict  # noqa: E402
+
+
+def main() -> None:
+    mode, directory, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    torch.set_num_threads(1)
+    world = init_distributed(timeout_s=60)
+    spec = ReachTask().spec(max_episode_steps=50)
+    torch.manual_seed(0)
+    algo = make_algorithm("sac", spec, NetworkConfig(hidden_sizes=(32, 32)), {}, device=world.device)
+    for name, module in algo.modules().items():
+        shard(module, world, algo.forward_methods().get(name, ()))
+    algo.build_optimizers()
+    counters = {"updates": 0, "version": 0, "samples": 0}
+    if mode == "save":
+        g = torch.Generator().manual_seed(world.rank)
+        n = 32
+        for _ in range(4):
+            b = {f"obs/{k}": torch.randn(n, *a.shape, generator=g) for k, a in spec.observation.items()}
+            b.update(
+                {f"next_obs/{k}": torch.randn(n, *a.shape, generator=g) for k, a in spec.observation.items()}
+            )
+            b.update(
+                action=torch.rand(n, 3, generator=g) * 2 - 1,
+                reward=torch.randn(n, generator=g),
+                terminated=torch.zeros(n),
+            )
+            algo.update(b)
+        counters = {"updates": 4, "version": 7, "samples": 4 * n * world.size}
+        checkpoint.save(algo, directory, counters, is_main=world.is_main)
+    else:
+        counters = checkpoint.load(algo, checkpoint.latest(directory))
+    actor = full_state_dict(algo.actor)
+    critic = full_state_dict(algo.critic)
+    if world.is_main:
+        out.write_text(
+            json.dumps(
+                {
+                    "world": world.size,
+                    "counters": counters,
+                    "actor": {k: float(v.astype("float64").sum()) for k, v in actor.items()},
+                    "critic": float(sum(v.astype("float64").sum() for v in critic.values())),
+                    "log_alpha": float(algo.log_alpha.detach()),
+                }
+            )
+        )
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Algorithms, publication guards and the trainer config, on real torch (one process)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from gateway.config import ConfigError, from_dict
+from gateway.inference.config import NetworkConfig
+from sim_bridges.reach import ReachTask
+from trainer.algos import make_algorithm
+from trainer.publish import Publisher
+
+pytestmark = pytest.mark.unit
+torch.set_num_threads(1)
+SPEC = ReachTask().spec(max_episode_steps=50)
+NET = NetworkConfig(hidden_sizes=(64, 64))
+
+
+def batch(
+    n: int = 64, seed: int = 0, reward: float = 1.0, terminated: bool = True
+) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"obs/{k}": torch.randn(n, *a.shape, generator=g) for k, a in SPEC.observation.items()}
+    out.update({f"next_obs/{k}": torch.randn(n, *a.shape, generator=g) for k, a in SPEC.observation.items()})
+    out["action"] = torch.rand(n, 3, generator=g) * 2 - 1
+    out["reward"] = torch.full((n,), reward)
+    out["terminated"] = torch.full((n,), float(terminated))
+    return out
+
+
+def params(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def test_sac_critics_learn_a_terminal_reward():
+    torch.manual_seed(0)
+    algo = make_algorithm("sac", SPEC, NET, {}, device=torch.device("cpu"))
+    algo.build_optimizers()
+    b = batch(reward=1.0, terminated=True)  # Q(s, a) = 1 everywhere
+    first = algo.update(b)["loss/critic"]
+    for _ in range(150):
+        stats = algo.update(b)
+    assert stats["skipped"] == 0.0 and stats["loss/critic"] < 0.1 * first
+    assert abs(stats["q"] - 1.0) < 0.2
+
+
+def test_non_finite_loss_skips_the_update_and_leaves_weights_alone():
+    algo = make_algorithm("sac", SPEC, NET, {}, device=torch.device("cpu"))
+    algo.build_optimizers()
+    before = params(algo.actor) + params(algo.critic)
+    bad = batch()
+    bad["reward"][3] = float("nan")
+    assert algo.update(bad) == {"skipped": 1.0}
+    assert algo.skipped_updates == 1
+    after = params(algo.actor) + params(algo.critic)
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    assert algo.update(batch())["skipped"] == 0.0  # and training goes on
+
+
+def test_behaviour_cloning_imitates_a_demonstrator():
+    torch.manual_seed(0)
+    algo = make_algorithm("bc", SPEC, NET, {"lr": 3e-3}, device=torch.device("cpu"))
+    algo.build_optimizers()
+
+    def demo(b):  # a fixed rule the actor must recover
+        b["action"] = torch.tanh(b["obs/target_rel"][:, [0, 1, 0]] * 3)
+        return b
+
+    def error():
+        b = demo(batch(256, seed=99))
+        obs = {k[4:]: v for k, v in b.items() if k.startswith("obs/")}
+        with torch.no_grad():
+            return float((algo.actor(obs, torch.zeros(256, 3)) - b["action"]).abs().mean())
+
+    before = error()
+    for i in range(300):
+        algo.update(demo(batch(128, seed=i)))
+    assert error() < 0.35 * before
+
+
+def test_publisher_never_sends_non_finite_weights():
+    pub = Publisher(spec=SPEC, net_config=NET, targets=[], onnx=False, control=None)
+    try:
+        weights = {"w": np.ones(3, np.float32), "b": np.array([np.inf], np.float32)}
+        assert pub.submit(5, weights) is False
+        assert pub.refused == 1 and pub.published_version == 0
+        assert pub.submit(6, {"w": np.ones(3, np.float32)}) is True
+        pub.flush()
+        deadline = time.monotonic() + 5
+        while pub.published_version != 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pub.published_version == 6
+    finally:
+        pub.close()
+
+
+@pytest.mark.parametrize(
+    ("trainer", "message"),
+    [
+        ({"nproc": 0}, "trainer.nproc"),
+        ({"batch_size": 255, "nproc": 2}, "must divide evenly"),
+        ({"tables": {"online": 0}}, "trainer.tables"),
+        ({"mode": "eventually"}, "trainer.mode"),
+        ({"max_policy_lag": 0}, "trainer.max_policy_lag"),
+    ],
+)
+def test_trainer_config_errors_name_the_field(trainer, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict({"trainer": trainer})
+
+
+def test_unknown_algorithm_and_bad_options_are_refused():
+    with pytest.raises(ValueError, match="unknown algorithm 'ppo2'"):
+        make_algorithm("ppo2", SPEC, NET, {}, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"trainer\.options\.gamma"):
+        make_algorithm("sac", SPEC, NET, {"gamma": 1.5}, device=torch.device("cpu"))
