@@ -11,9 +11,10 @@ benchmarks and tests use it directly::
 
 A batch of transitions holds ``obs/<key>``, ``action``, ``reward``, ``next_obs/<key>``,
 ``terminated``, ``truncated``, ``discount`` (``gamma ** k`` for n-step items, 1 for
-transitions, 0 after termination), ``policy_version``, ``step``, ``key``,
+transitions, 0 after termination), ``policy_version``, ``key`` (for priority updates),
 ``probability`` and ``table`` (index into the tables asked for). Sequence items have a
-time axis: ``obs/<key>`` [B, L, ...], ``action`` [B, L, ...], ``reward`` [B, L], ...
+time axis and every stored column: ``obs/<key>`` [B, L, ...], ``action``, ``reward``,
+``success``, ``step``, ...
 """
 
 from __future__ import annotations
