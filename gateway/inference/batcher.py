@@ -44,7 +44,8 @@ class Request:
     rows: int
     t_recv: float
     deadline: float
-    deterministic: bool
+    deterministic: bool | np.ndarray
+    """One mode for every row, or ``bool[rows]`` (True: the deterministic action)."""
 
 
 @dataclass
@@ -119,6 +120,8 @@ class Batcher:
         self.queue: deque[Request] = deque()
         self.queued_rows = 0
         self.staged: Staged | None = None
+        self.newest = policy.version
+        """Newest version serving or staged; a publication must be newer (reset by a rollback)."""
         self.rollback: tuple[bytes, bytes, int] | None = None
         self.stopping = False
 
@@ -147,6 +150,7 @@ class Batcher:
         """Swap ``staged`` in before the next batch (a newer one replaces an older one)."""
         with self.cond:
             old, self.staged = self.staged, staged
+            self.newest = max(self.newest, staged.policy.version)
             self.cond.notify()
         if old is not None:
             self.reply(
@@ -217,6 +221,7 @@ class Batcher:
                 msg = error_message(ErrorCode.UNAVAILABLE.value, "no previous version to roll back to", seq)
             else:
                 old, self.current, self.previous = self.current.version, self.previous, None
+                self.newest = self.current.version
                 self.stats.count(rollbacks=1)
                 log.warning("rolled back from version %d to %d", old, self.current.version)
                 msg = Message(
@@ -277,10 +282,12 @@ class Batcher:
         eps = np.zeros((rows, *self.action_shape), np.float32)
         start = 0
         for request in live:
-            if not request.deterministic:
-                eps[start : start + request.rows] = self.rng.standard_normal(
-                    (request.rows, *self.action_shape), dtype=np.float32
-                )
+            mode = request.deterministic
+            if isinstance(mode, np.ndarray) or not mode:
+                noise = self.rng.standard_normal((request.rows, *self.action_shape), dtype=np.float32)
+                if isinstance(mode, np.ndarray):
+                    noise[mode] = 0.0
+                eps[start : start + request.rows] = noise
             start += request.rows
         t0 = time.monotonic()
         actions = np.ascontiguousarray(policy.run(obs, eps), dtype=self.action_dtype)

@@ -53,6 +53,8 @@ class Pending:
     obs: Obs
     rows: int
     deadline: float
+    deterministic: np.ndarray | None = None
+    """Rows that must get the deterministic action (evaluation episodes)."""
     attempts: int = 0
     tried: set[int] = field(default_factory=set)
 
@@ -143,10 +145,11 @@ class InferenceSource(ActionSource):
 
     # ------------------------------------------------------------- the contract
 
-    def submit(self, key: Any, obs: Obs, deadline: float) -> None:
+    def submit(self, key: Any, obs: Obs, deadline: float, deterministic: np.ndarray | None = None) -> None:
         rows = len(next(iter(obs.values())))
         self.counters["submitted"] += 1
-        self._dispatch(Pending(key=key, obs=obs, rows=rows, deadline=deadline))
+        flags = None if deterministic is None else np.asarray(deterministic, dtype=bool)
+        self._dispatch(Pending(key=key, obs=obs, rows=rows, deadline=deadline, deterministic=flags))
 
     def results(self) -> list[Result]:
         for replica in self.replicas:
@@ -161,6 +164,7 @@ class InferenceSource(ActionSource):
     def tick(self) -> None:
         now = time.monotonic()
         for replica in self.replicas:
+            self._drain(replica)  # liveness below must see answers already here
             if now - replica.last_ping >= self.heartbeat_s:
                 replica.last_ping = now
                 self._send(replica, Message(MsgType.HEARTBEAT))
@@ -211,7 +215,10 @@ class InferenceSource(ActionSource):
             meta: dict[str, Any] = {"deadline_ms": max(1.0, (attempt_deadline - now) * 1e3)}
             if self.deterministic is not None:
                 meta["deterministic"] = self.deterministic
-            msg = Message(MsgType.OBSERVATION, seq=self._seq, meta=meta, arrays=pack("obs", pending.obs))
+            arrays = pack("obs", pending.obs)
+            if pending.deterministic is not None:
+                arrays["deterministic"] = pending.deterministic
+            msg = Message(MsgType.OBSERVATION, seq=self._seq, meta=meta, arrays=arrays)
             if self._send(replica, msg):
                 pending.attempts += 1
                 pending.tried.add(replica.index)

@@ -3,7 +3,8 @@
 Three ROUTER sockets (addresses in ``endpoints.json`` under ``inference[i]``):
 
 - ``requests``: OBSERVATION ``{deadline_ms, deterministic?}`` with ``obs/<key>`` arrays
-  ``[B, ...]`` -> ACTION ``{version, batch_rows, queue_us}`` with ``action [B, ...]``
+  ``[B, ...]`` (and optionally ``deterministic bool[B]``: rows that must act
+  deterministically, e.g. evaluation episodes) -> ACTION ``{version, batch_rows, queue_us}`` with ``action [B, ...]``
   and ``policy_version i64[B]``, or ERROR (``bad_request``: observations that do not
   fit the spec; ``deadline_exceeded``; ``unavailable``: queue full). HEARTBEAT ->
   HEARTBEAT ``{version, queue_rows}``.
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 
 SOCKETS = ("requests", "weights", "control")
 TAGS = {name: name[0].encode() for name in SOCKETS}
+SWITCH_INTERVAL_S = 0.0002
 MAX_QUEUE_BATCHES = 64
 """Queued rows beyond ``max_batch * this`` are refused with ``unavailable`` (backpressure)."""
 
@@ -118,7 +120,6 @@ class InferenceServer:
         self._push_lock = threading.Lock()
         self.assembler = WeightsAssembler()
         self.loads: queue.Queue[WeightsUpdate | None] = queue.Queue()
-        self._newest_staged = policy.version
         self._logged: set[tuple[bytes, str]] = set()
         self.stopping = threading.Event()
         self.failure: BaseException | None = None
@@ -202,7 +203,17 @@ class InferenceServer:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST, f"deadline_ms must be a positive number, got {deadline_ms!r}"
             )
-        deterministic = msg.meta.get("deterministic", self.config.deterministic)
+        deterministic: Any = msg.meta.get("deterministic", self.config.deterministic)
+        flags = msg.arrays.get("deterministic")
+        if flags is not None:
+            if flags.dtype != bool or flags.shape != (rows,):
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    f"'deterministic' must be bool[{rows}], got {flags.dtype}{list(flags.shape)}",
+                )
+            deterministic = flags | bool(deterministic)
+        else:
+            deterministic = bool(deterministic)
         request = Request(
             tag=TAGS["requests"],
             route=route,
@@ -211,7 +222,7 @@ class InferenceServer:
             rows=rows,
             t_recv=now,
             deadline=now + float(deadline_ms) / 1e3,
-            deterministic=bool(deterministic),
+            deterministic=deterministic,
         )
         self.stats.count(received=1)
         if not self.batcher.put(request):
@@ -235,7 +246,7 @@ class InferenceServer:
 
     def _on_weights(self, route: bytes, msg: Message) -> None:
         try:
-            update = self.assembler.add(route, msg, max(self.batcher.version, self._newest_staged))
+            update = self.assembler.add(route, msg, self.batcher.newest)
         except WeightsError as exc:
             self.stats.count(weights_refused=1)
             raise exc from None
@@ -255,10 +266,10 @@ class InferenceServer:
                 return
             t0 = time.monotonic()
             try:
-                if update.version <= max(self.batcher.version, self._newest_staged):
+                if update.version <= self.batcher.newest:
                     raise WeightsError(
                         ErrorCode.STALE_VERSION,
-                        f"version {update.version} is not newer than {max(self.batcher.version, self._newest_staged)}",
+                        f"version {update.version} is not newer than version {self.batcher.newest} (serving or loading)",
                     )
                 if update.format == "onnx":
                     policy = self.backend.from_onnx(update.arrays["onnx"], update.version)
@@ -272,7 +283,6 @@ class InferenceServer:
                     TAGS["weights"], update.route, error_message(exc.code.value, exc.message, update.seq)
                 )
                 continue
-            self._newest_staged = update.version
             log.info(
                 "version %d loaded in %.1f ms; swapping it in", update.version, (time.monotonic() - t0) * 1e3
             )
@@ -441,6 +451,9 @@ def build_server(args: argparse.Namespace) -> InferenceServer:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # The socket and inference threads hand work to each other all the time; a short
+    # switch interval keeps one from waiting 5 ms for the interpreter lock.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         server = build_server(args)
     except (ConfigError, ValueError, WeightsError, OSError) as exc:

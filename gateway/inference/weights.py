@@ -172,7 +172,7 @@ class WeightsAssembler:
                 self._drop(route, transfer)
                 raise WeightsError(
                     ErrorCode.STALE_VERSION,
-                    f"version {version} is not newer than the version serving ({current_version})",
+                    f"version {version} is not newer than version {current_version} (serving or loading)",
                 )
             state = self._open[route] = _Transfer(meta=dict(meta))
         if state is None or state.meta["transfer"] != transfer or bucket != state.next_bucket:

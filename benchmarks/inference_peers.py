@@ -1,0 +1,254 @@
+"""Processes of the inference benchmark (:mod:`benchmarks.inference`): clients and peer servers.
+
+Roles, each ``python -m benchmarks.inference_peers ROLE ...``:
+
+- ``client``: one closed-loop client (``--kind loopgate|websocket|grpc``) sending
+  batches of ``--batch`` reach observations and waiting for each answer. It connects,
+  then waits for the ``--go`` file (written once every client is ready), warms up, and
+  keeps the requests that start and finish inside the window the file names
+  (``time.monotonic`` is one clock for every process on the machine). It writes
+  ``t_send`` (s) and ``latency_us`` of those requests and its row count to ``--out``.
+- ``websocket-server``: the same ONNX model behind a minimal websocket + msgpack server
+  in the style of OpenPI's policy server: an asyncio ``websockets`` server that unpacks
+  each message (msgpack with numpy arrays as ``__ndarray__`` maps), runs the policy on
+  it in the event loop and sends the packed action back. One request at a time.
+- ``grpc-server``: the same model behind a gRPC unary method (raw bytes, the same
+  msgpack payload) served by a thread pool.
+
+These peers are benchmark baselines only; nothing in the product imports them::
+
+    python -m benchmarks.inference_peers websocket-server --port 8765 --model m.onnx --ready r
+    python -m benchmarks.inference_peers client --kind websocket --connect ws://127.0.0.1:8765 \\
+        --batch 1 --go go.json --out c0.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------- OpenPI-style msgpack
+
+
+def _pack_array(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": True, "data": obj.tobytes(), "dtype": obj.dtype.str, "shape": obj.shape}
+    return obj
+
+
+def _unpack_array(obj: dict[Any, Any]) -> Any:
+    if "__ndarray__" in obj:
+        return np.ndarray(buffer=obj["data"], dtype=np.dtype(obj["dtype"]), shape=obj["shape"])
+    return obj
+
+
+def packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, default=_pack_array)  # type: ignore[no-any-return]
+
+
+def unpackb(data: bytes) -> Any:
+    return msgpack.unpackb(data, object_hook=_unpack_array)
+
+
+class OnnxPolicy:
+    """The benchmark model in onnxruntime (one intra-op thread, like the servers)."""
+
+    def __init__(self, path: str, threads: int) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        self.action_shape = tuple(self.session.get_outputs()[0].shape[1:])
+
+    def infer(self, obs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        n = len(next(iter(obs.values())))
+        feeds = {f"obs/{k}": v for k, v in obs.items()}
+        feeds["eps"] = np.zeros((n, *self.action_shape), np.float32)
+        return {"action": self.session.run(["action"], feeds)[0]}
+
+
+def run_websocket_server(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from websockets.asyncio.server import serve
+
+    policy = OnnxPolicy(args.model, args.threads)
+
+    async def handler(websocket: Any) -> None:
+        await websocket.send(packb({"model": args.model}))  # metadata first, as OpenPI does
+        async for message in websocket:
+            await websocket.send(packb(policy.infer(unpackb(message))))
+
+    async def main() -> None:
+        async with serve(handler, "127.0.0.1", args.port, compression=None, max_size=None):
+            Path(args.ready).write_text("ready")
+            await asyncio.Future()
+
+    asyncio.run(main())
+    return 0
+
+
+def run_grpc_server(args: argparse.Namespace) -> int:
+    from concurrent import futures
+
+    import grpc
+
+    policy = OnnxPolicy(args.model, args.threads)
+
+    def infer(request: bytes, context: Any) -> bytes:
+        return packb(policy.infer(unpackb(request)))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.workers))
+    handler = grpc.unary_unary_rpc_method_handler(infer)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("loopgate.Policy", {"Infer": handler}),)
+    )
+    server.add_insecure_port(f"127.0.0.1:{args.port}")
+    server.start()
+    Path(args.ready).write_text("ready")
+    server.wait_for_termination()
+    return 0
+
+
+# ------------------------------------------------------------------- clients
+
+
+def reach_obs(batch: int, seed: int) -> dict[str, np.ndarray]:
+    from gateway.registry import experiment_spec
+
+    spec = experiment_spec("mujoco_reach", {})
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal((batch, *a.shape)).astype(a.dtype) for k, a in spec.observation.items()}
+
+
+def _loopgate_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
+    import zmq
+
+    from gateway.protocol import Message, MsgType, pack, recv, send
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(address)
+    seq = [0]
+
+    def call() -> None:
+        seq[0] += 1
+        send(
+            sock,
+            Message(MsgType.OBSERVATION, seq=seq[0], meta={"deadline_ms": 30_000.0}, arrays=pack("obs", obs)),
+        )
+        if not sock.poll(30_000):
+            raise TimeoutError(f"no answer from {address} within 30 s")
+        reply = recv(sock)
+        if reply.type is not MsgType.ACTION:
+            raise RuntimeError(f"server answered {reply.meta}")
+
+    return call
+
+
+def _websocket_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
+    from websockets.sync.client import connect
+
+    ws = connect(address, compression=None, max_size=None, open_timeout=30)
+    unpackb(ws.recv(timeout=30))  # metadata
+
+    def call() -> None:
+        ws.send(packb(obs))
+        unpackb(ws.recv(timeout=30))["action"]
+
+    return call
+
+
+def _grpc_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
+    import grpc
+
+    channel = grpc.insecure_channel(address)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    method = channel.unary_unary("/loopgate.Policy/Infer")
+
+    def call() -> None:
+        unpackb(method(packb(obs), timeout=30))["action"]
+
+    return call
+
+
+CALLERS = {"loopgate": _loopgate_caller, "websocket": _websocket_caller, "grpc": _grpc_caller}
+
+
+def run_client(args: argparse.Namespace) -> int:
+    obs = reach_obs(args.batch, args.seed)
+    call = CALLERS[args.kind](args.connect, obs)
+    call()  # connected and served once
+    Path(args.out + ".ready").write_text("ready")
+    go = Path(args.go)
+    give_up = time.monotonic() + 120
+    while not go.exists():
+        if time.monotonic() > give_up:
+            log.error("no go file %s within 120 s", go)
+            return 1
+        time.sleep(0.005)
+    window = json.loads(go.read_text())
+    start, stop = float(window["start"]), float(window["stop"])
+    sent: list[float] = []
+    latency: list[float] = []
+    while True:
+        t0 = time.monotonic()
+        if t0 >= stop:
+            break
+        call()
+        t1 = time.monotonic()
+        if t0 >= start and t1 <= stop:
+            sent.append(t0)
+            latency.append((t1 - t0) * 1e6)
+    np.savez(args.out, t_send=np.asarray(sent), latency_us=np.asarray(latency), rows=len(sent) * args.batch)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.inference_peers",
+        description="Clients and baseline servers of the inference benchmark (started by `loopgate bench`).",
+        epilog="example: python -m benchmarks.inference_peers grpc-server --port 50051 --model m.onnx --ready r",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--log-level", default="WARNING")
+    sub = p.add_subparsers(dest="role", required=True)
+    for role in ("websocket-server", "grpc-server"):
+        s = sub.add_parser(role, help=f"the {role.split('-')[0]} baseline serving the ONNX model")
+        s.add_argument("--port", type=int, required=True)
+        s.add_argument("--model", required=True, help=".onnx file")
+        s.add_argument("--ready", required=True, help="file written once serving")
+        s.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+        s.add_argument("--workers", type=int, default=16, help="gRPC handler threads")
+    c = sub.add_parser("client", help="one closed-loop client")
+    c.add_argument("--kind", choices=sorted(CALLERS), required=True)
+    c.add_argument("--connect", required=True)
+    c.add_argument("--batch", type=int, required=True)
+    c.add_argument("--go", required=True, help="file with the measuring window, written by the suite")
+    c.add_argument("--out", required=True, help=".npz for the measured requests")
+    c.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    roles = {"websocket-server": run_websocket_server, "grpc-server": run_grpc_server, "client": run_client}
+    return roles[args.role](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

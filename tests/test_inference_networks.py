@@ -1,0 +1,181 @@
+"""The shared policy networks, both backends, the weights wire format and the config block."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gateway.config import ConfigError, from_dict
+from gateway.episode import ActionSpec, ArraySpec, EnvSpec
+from gateway.inference.backends import OrtBackend, TorchBackend
+from gateway.inference.config import InferenceConfig, NetworkConfig
+from gateway.inference.weights import (
+    WeightsAssembler,
+    WeightsError,
+    check_state_dict,
+    transfer_messages,
+)
+from gateway.registry import experiment_spec
+from trainer.networks import export_onnx, make_actor, make_encoder, state_dict_numpy
+
+pytestmark = pytest.mark.unit
+
+SMALL = NetworkConfig(hidden_sizes=(32, 32), cnn_channels=(4, 8), cnn_features=16)
+
+
+def image_spec() -> EnvSpec:
+    base = experiment_spec("mujoco_reach", {})
+    observation = {**base.observation, "image": ArraySpec(dtype="uint8", shape=(36, 36, 3))}
+    return dataclasses.replace(base, observation=observation)
+
+
+def random_obs(spec: EnvSpec, n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key, arr in spec.observation.items():
+        if arr.dtype == "uint8":
+            out[key] = rng.integers(0, 256, (n, *arr.shape), dtype=np.uint8)
+        else:
+            out[key] = rng.standard_normal((n, *arr.shape)).astype(arr.dtype)
+    return out
+
+
+@pytest.mark.parametrize("spec_name", ["proprio", "image"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_torch_model_gives_the_same_actions_in_both_backends(spec_name, deterministic):
+    spec = experiment_spec("mujoco_reach", {}) if spec_name == "proprio" else image_spec()
+    cfg = InferenceConfig(network=SMALL, init_seed=3)
+    torch_policy = TorchBackend(spec, dataclasses.replace(cfg, backend="torch")).initial()
+    ort_policy = OrtBackend(spec, cfg).initial()
+    obs = random_obs(spec, 17)
+    rng = np.random.default_rng(1)
+    eps = np.zeros((17, 3), np.float32) if deterministic else rng.standard_normal((17, 3), dtype=np.float32)
+    a, b = torch_policy.run(obs, eps), ort_policy.run(obs, eps)
+    assert a.shape == b.shape == (17, 3)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    assert np.all(np.abs(a) <= 1.0)
+
+
+def test_deterministic_action_is_the_squashed_mean_scaled_to_the_bounds():
+    base = experiment_spec("mujoco_reach", {})
+    spec = dataclasses.replace(base, action=ActionSpec(dtype="float32", shape=(3,), low=-2.0, high=4.0))
+    actor = make_actor(spec, SMALL, seed=0)
+    obs = {k: torch.from_numpy(v) for k, v in random_obs(spec, 5).items()}
+    with torch.no_grad():
+        mean, _ = actor.distribution(obs)
+        action = actor(obs, torch.zeros(5, 3))
+    np.testing.assert_allclose(action.numpy(), (1.0 + 3.0 * torch.tanh(mean)).numpy(), atol=1e-6)
+
+
+def test_sample_log_prob_matches_a_tanh_transformed_gaussian():
+    spec = experiment_spec("mujoco_reach", {})
+    actor = make_actor(spec, SMALL, seed=0)
+    obs = {k: torch.from_numpy(v) for k, v in random_obs(spec, 6).items()}
+    eps = torch.randn(6, 3)
+    with torch.no_grad():
+        action, log_prob = actor.sample(obs, eps)
+        mean, log_std = actor.distribution(obs)
+    dist = torch.distributions.TransformedDistribution(
+        torch.distributions.Normal(mean, log_std.exp()), [torch.distributions.TanhTransform()]
+    )
+    pre = mean + log_std.exp() * eps
+    expected = dist.log_prob(torch.tanh(pre).clamp(-1 + 1e-6, 1 - 1e-6)).sum(1)
+    np.testing.assert_allclose(log_prob.numpy(), expected.numpy(), rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(action.numpy(), torch.tanh(pre).numpy(), atol=1e-6)
+
+
+def test_onnx_initializers_are_named_like_the_state_dict():
+    import onnx
+
+    actor = make_actor(image_spec(), SMALL, seed=0)
+    model = onnx.load_from_string(export_onnx(actor))
+    names = {i.name: tuple(i.dims) for i in model.graph.initializer}
+    assert {k: tuple(v.shape) for k, v in state_dict_numpy(actor).items()} == names
+
+
+def test_encoder_is_reusable_and_refuses_images_too_small_for_the_cnn():
+    spec = image_spec()
+    encoder = make_encoder(spec, SMALL)
+    assert encoder.out_features == 12 + SMALL.cnn_features
+    tiny = dataclasses.replace(spec, observation={"image": ArraySpec(dtype="uint8", shape=(6, 6, 3))})
+    with pytest.raises(ValueError, match="too small"):
+        make_actor(tiny, SMALL)
+
+
+# ---------------------------------------------------------------- weights format
+
+
+def test_buckets_split_large_tensors_and_reassemble_exactly():
+    rng = np.random.default_rng(0)
+    arrays = {
+        "big": rng.standard_normal((50, 40)).astype(np.float32),  # 8000 B: several buckets
+        "small": rng.standard_normal(7).astype(np.float32),
+        "other": rng.standard_normal((3, 3)).astype(np.float32),
+    }
+    messages = transfer_messages(arrays, version=4, fmt="state_dict", bucket_bytes=1024)
+    assert len(messages) > 8
+    assert all(sum(a.nbytes for a in m.arrays.values()) <= 1024 for m in messages)
+    assembler = WeightsAssembler()
+    results = [assembler.add(b"peer", m, current_version=0) for m in messages]
+    assert results[:-1] == [None] * (len(messages) - 1)
+    update = results[-1]
+    assert update is not None and update.version == 4
+    for name, value in arrays.items():
+        np.testing.assert_array_equal(update.arrays[name], value)
+
+
+def test_a_missing_bucket_or_an_old_version_is_refused():
+    arrays = {f"t{i}": np.ones(100, np.float32) for i in range(6)}
+    messages = transfer_messages(arrays, version=2, fmt="state_dict", bucket_bytes=800)
+    assembler = WeightsAssembler()
+    assembler.add(b"p", messages[0], current_version=0)
+    with pytest.raises(WeightsError) as missing:
+        assembler.add(b"p", messages[2], current_version=0)
+    assert missing.value.code.value == "bad_weights"
+    with pytest.raises(WeightsError) as stale:
+        assembler.add(b"q", messages[0], current_version=2)
+    assert stale.value.code.value == "stale_version"
+    assert assembler.add(b"q", messages[1], current_version=2) is None  # rest of it ignored
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a.update(w=np.full((2, 2), np.nan, np.float32)), "NaN or Inf"),
+        (lambda a: a.update(w=np.full((2, 2), np.inf, np.float32)), "NaN or Inf"),
+        (lambda a: a.update(w=np.zeros((2, 3), np.float32)), "the network needs"),
+        (lambda a: a.update(w=np.zeros((2, 2), np.float64)), "the network needs"),
+        (lambda a: a.pop("b"), "missing"),
+    ],
+)
+def test_state_dicts_are_checked_for_names_shapes_dtypes_and_finite_values(change, message):
+    arrays = {"w": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.float32)}
+    expected = {k: (v.dtype.name, v.shape) for k, v in arrays.items()}
+    check_state_dict(arrays, expected)
+    change(arrays)
+    with pytest.raises(WeightsError, match=message):
+        check_state_dict(arrays, expected)
+
+
+# ---------------------------------------------------------------------- config
+
+
+def test_the_inference_block_validates_and_names_the_field():
+    cfg = from_dict({"inference": {"enabled": True, "replicas": 2, "network": {"hidden_sizes": [64]}}})
+    assert cfg.inference.replicas == 2 and cfg.inference.network.hidden_sizes == (64,)
+    for bad, field in [
+        ({"replicas": 0}, "inference.replicas"),
+        ({"providers": ["NopeExecutionProvider"]}, "inference.providers"),
+        ({"device": "tpu"}, "inference.device"),
+        ({"network": {"activation": "swish"}}, "inference.network.activation"),
+        ({"weights": "model.bin"}, "inference.weights"),
+        ({"heartbeat_s": 2.0}, "inference.replica_timeout_s"),
+    ]:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            from_dict({"inference": bad})
+    assert math.isclose(from_dict({}).inference.deadline_ms, 1000.0)
+    assert from_dict({}).inference.enabled is False
