@@ -26,6 +26,7 @@ from tests.test_ros2_backend import (  # noqa: F401 - fixtures
     domain,
     options,
     robot,
+    steps_run,
 )
 
 pytestmark = [
@@ -68,14 +69,21 @@ def test_watchdog_holds_the_robot_when_the_policy_stops(robot, backends, domain)
     record = robot("/arm")
     backend = backends(1, **options(domain, ["/arm"], safety={"watchdog_timeout_s": 0.3}))
     backend.reset(seed=0)
+    push = np.array([[1.0, 1.0, -1.0]], np.float32)
     for _ in range(4):
-        backend.step(np.array([[1.0, 1.0, -1.0]], np.float32))
-    moving = len(commands(record))
+        backend.step(push)
     time.sleep(1.0)  # the policy stops; the watchdog must act
     assert backend.counters()["watchdog_trips"] == 1  # type: ignore[attr-defined]
-    held = wait_for(
-        lambda: commands(record)[moving:] if len(commands(record)) > moving else None, what="a hold"
-    )
+
+    def after_the_steps() -> list[dict[str, Any]] | None:
+        sent = commands(record)
+        run = steps_run(sent, 0.15 * push[0], 4)  # the reset's last command, then four steps
+        if run is None:
+            return None
+        end = next(i for i in range(len(sent)) if sent[i]["data"] == run[-1]) + 1
+        return sent[end:] or None
+
+    held = wait_for(after_the_steps, what="a hold after the last step")
     assert len(held) == 1, "one hold per silence"
     hold = np.array(held[0]["data"])
     # A hold commands where the arm is, not where the last action was taking it.
