@@ -299,7 +299,7 @@ def records(figures: dict[str, list[float]], note: str, window_s: float) -> list
 def run(quick: bool, repeats: int) -> list[Record]:
     """Serving figures (both backends and both peers) and swap figures, ``min(repeats, 3)`` times."""
     repeats = min(repeats, MAX_REPEATS)
-    window_s = 0.5 if quick else 1.5
+    window_s = 0.5 if quick else 1.0
     server_cpus, client_cpus = split_placement()
     note = (f"MLP {'x'.join(map(str, MODEL_HIDDEN))}, server on cpu {describe_cpus(server_cpus)}, "
             f"clients on cpu {describe_cpus(client_cpus)}")  # fmt: skip
