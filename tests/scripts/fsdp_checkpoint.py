@@ -16,12 +16,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gateway.inference.config import NetworkConfig  # noqa: E402
-from sim_bridges.reach import ReachTask  # noqa: E402
-from trainer import checkpoint  # noqa: E402
-from trainer.algos import make_algorithm  # noqa: E402
-from trainer.distributed import init_distributed, shard, shutdown  # noqa: E402
-from trainer.publish import full_state_dict  # noqa: E402
+from gateway.inference.config import NetworkConfig
+from sim_bridges.reach import ReachTask
+from trainer import checkpoint
+from trainer.algos import make_algorithm
+from trainer.distributed import init_distributed, shard, shutdown
+from trainer.publish import full_state_dict
 
 
 def main() -> None:
