@@ -117,7 +117,7 @@ class Ros2Backend(EpisodeBackend):
             what="ros2",
         )
         self.stats = LoopStats(self.period)
-        self.session = RosSession(config.node_name, domain_id=config.domain_id)
+        self.session = RosSession(config.node_name, domain_id=config.domain_id, executor=config.executor)
         try:
             node = self.session.node(config.node_name)
             safety = self.session.node(f"{config.node_name}_safety")
@@ -290,7 +290,10 @@ class Ros2Backend(EpisodeBackend):
                     f"robot {robot.namespace!r}: no message on {robot.topics[robot.primary]} for {silent:.1f} s "
                     f"(lost_timeout_s {self.config.lost_timeout_s}); its episode ends here"
                 )
-            chosen, skew[i] = align([h.snapshot() for h in robot.histories])
+            if len(robot.histories) == 1:  # nothing to align: the newest message
+                chosen = [robot.histories[0].newest()]
+            else:
+                chosen, skew[i] = align([h.snapshot() for h in robot.histories])
             age[i] = wall - min(e.stamp for e in chosen)
             merged = {k: v for e in chosen for k, v in e.values.items()}
             for key in self._keys:

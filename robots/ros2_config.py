@@ -121,6 +121,8 @@ class Ros2Config:
     """The reset routine."""
     domain_id: int | None = None
     """ROS domain (None: ``ROS_DOMAIN_ID`` or 0)."""
+    executor: Literal["events", "single_threaded"] = "events"
+    """rclpy executor of the backend's nodes: ``events`` (C++, lowest latency) or ``single_threaded``."""
     node_name: str = "loopgate_robot"
     """Name of the backend's node (its safety node adds ``_safety``)."""
     stats_file: str | None = None

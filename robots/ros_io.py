@@ -72,11 +72,23 @@ def message_class(type_name: str) -> Any:
     return getattr(importlib.import_module(f"{package}.msg"), name)
 
 
+def make_executor(context: Context, kind: str) -> Any:
+    """``events``: rclpy's C++ EventsExecutor (dispatches a message to its Python
+    callback without the Python executor's per-wake bookkeeping, which holds the GIL
+    while the control thread waits for that message); ``single_threaded``: the classic one."""
+    if kind == "events":
+        from rclpy.experimental.events_executor import EventsExecutor
+
+        return EventsExecutor(context=context)
+    return SingleThreadedExecutor(context=context)
+
+
 class RosSession:
     """A context, its nodes and one executor thread per node."""
 
-    def __init__(self, name: str, *, domain_id: int | None = None) -> None:
+    def __init__(self, name: str, *, domain_id: int | None = None, executor: str = "events") -> None:
         self.name = name
+        self.executor = executor
         self.context = Context()
         # Signal handling stays with the process's owner (the env worker's own handlers).
         rclpy.init(
@@ -84,7 +96,7 @@ class RosSession:
             domain_id=domain_id,
             signal_handler_options=rclpy.signals.SignalHandlerOptions.NO,
         )
-        self._executors: list[SingleThreadedExecutor] = []
+        self._executors: list[Any] = []
         self._threads: list[threading.Thread] = []
         self.nodes: list[Node] = []
         self.failure: Exception | None = None
@@ -99,7 +111,7 @@ class RosSession:
             enable_rosout=False,
             start_parameter_services=False,
         )
-        executor = SingleThreadedExecutor(context=self.context)
+        executor = make_executor(self.context, self.executor)
         executor.add_node(node)
         self.nodes.append(node)
         self._executors.append(executor)
@@ -113,7 +125,7 @@ class RosSession:
             thread.start()
             self._threads.append(thread)
 
-    def _spin(self, executor: SingleThreadedExecutor) -> None:
+    def _spin(self, executor: Any) -> None:
         try:
             while not self._stop.is_set() and self.context.ok():
                 executor.spin_once(timeout_sec=0.05)

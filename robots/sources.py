@@ -69,6 +69,11 @@ class History:
         with self.changed:
             return self._entries[-1] if self._entries else None
 
+    def newest(self) -> Entry:
+        """The newest entry; the history must not be empty."""
+        with self.changed:
+            return self._entries[-1]
+
     def latest_received(self) -> float:
         """Arrival time (monotonic) of the newest entry; -inf when empty."""
         with self.changed:

@@ -213,7 +213,8 @@ def test_reach_pd_succeeds_on_the_emulator_as_in_the_simulator(robot, backends, 
 def test_stamps_are_aligned_across_topics_from_a_skewed_clock(robot, backends, domain) -> None:
     camera = ("--camera", "--camera-rate", "20", "--image-width", "32", "--image-height", "24")
     robot("/near", *camera, "--camera-skew-s", "0.15")  # camera clock 150 ms ahead of the arm's
-    robot("/far", *camera, "--camera-skew-s", "3.0")  # 3 s ahead: nothing to pair it with
+    # 10 s ahead: beyond what 64 images of history (3.2 s at 20 Hz) can pair with.
+    robot("/far", *camera, "--camera-skew-s", "10.0")
     backend = backends(
         2,
         camera=True,
@@ -231,7 +232,7 @@ def test_stamps_are_aligned_across_topics_from_a_skewed_clock(robot, backends, d
         flags.append(info["misaligned"].copy())
         # /near: the newest image is stamped 150 ms after the newest joint state, yet the
         # pair chosen by stamp is at most half a camera period (25 ms) apart.
-        assert info["skew_s"][0] <= 0.03 and info["skew_s"][1] > 2.0
+        assert info["skew_s"][0] <= 0.03 and info["skew_s"][1] > 5.0
     assert np.all(np.array(flags) == [False, True])
     assert backend.counters()["misaligned"] >= 10  # type: ignore[attr-defined]
 

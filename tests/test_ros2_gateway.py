@@ -28,7 +28,11 @@ from tests.test_ros2_backend import (  # noqa: F401 - fixtures
 )
 from tests.test_ros2_safety import PERIOD_S, SCHEDULING_SLACK_S
 
-pytestmark = [pytest.mark.ros2, pytest.mark.integration, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
+pytestmark = [
+    pytest.mark.ros2,
+    pytest.mark.integration,
+    pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT)),
+]
 
 
 def steps(status: dict[str, Any]) -> int:
@@ -50,7 +54,9 @@ def plateau(read: Any, settle_s: float = 1.0) -> int:
 def test_operator_ready_and_estop_reach_the_robot_through_the_gateway(gateway_run, robot, domain) -> None:
     record = robot("/arm")
     env_options = options(domain, ["/arm"], max_episode_steps=40, reset={"wait_for_operator": True})
-    run = gateway_run({"env": {"backend": "ros2", "num_envs": 1, "options": env_options}, "policy": {"kind": "random"}})
+    run = gateway_run(
+        {"env": {"backend": "ros2", "num_envs": 1, "options": env_options}, "policy": {"kind": "random"}}
+    )
     run.worker(0)
     wait_for(lambda: run.status()["workers"], timeout=60, what="the worker to register")
     # Waiting for the operator takes longer than the gateway's worker timeout (3 s):
@@ -84,7 +90,9 @@ def test_operator_ready_and_estop_reach_the_robot_through_the_gateway(gateway_ru
     assert run.status()["episodes"] >= 1
 
 
-def test_robot_killed_mid_episode_is_interrupted_and_picked_up_when_it_returns(procs, robot, domain, tmp_path) -> None:
+def test_robot_killed_mid_episode_is_interrupted_and_picked_up_when_it_returns(
+    procs, robot, domain, tmp_path
+) -> None:
     robot("/a")
     robot("/b")
     run_dir = tmp_path / "run"
@@ -109,11 +117,17 @@ def test_robot_killed_mid_episode_is_interrupted_and_picked_up_when_it_returns(p
         def uid_of_b() -> str:
             return next(uid for uid in by_worker() if f"-{other.pid}-" in uid)
 
-        wait_for(lambda: len(by_worker()) == 2 and min(by_worker().values()) >= 20, timeout=90, what="both robots")
+        wait_for(
+            lambda: len(by_worker()) == 2 and min(by_worker().values()) >= 20, timeout=90, what="both robots"
+        )
         first_a = next(uid for uid in by_worker() if uid != uid_of_b())
         emulator_a = procs.procs[0]
         os.killpg(emulator_a.pid, signal.SIGKILL)  # mid-episode: 50-step episodes, ~20 steps in
-        wait_for(lambda: control.request("status")["episodes_interrupted"] >= 1, timeout=30, what="the interruption")
+        wait_for(
+            lambda: control.request("status")["episodes_interrupted"] >= 1,
+            timeout=30,
+            what="the interruption",
+        )
         assert first_a not in by_worker()
         b_then = by_worker()[uid_of_b()]
         wait_for(lambda: by_worker()[uid_of_b()] >= b_then + 20, what="the other robot to go on")
