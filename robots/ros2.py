@@ -88,7 +88,7 @@ class Ros2Backend(EpisodeBackend):
         self.config = config
         self.num_envs = num_envs
         self.spec = config.spec()
-        self.task = config.task_rules()
+        self.task = config.task()
         self.map = config.map
         self.period = 1.0 / config.control_hz
         self.rngs = [np.random.default_rng(seed + i) for i in range(num_envs)]

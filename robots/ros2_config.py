@@ -1,7 +1,7 @@
 """Options of the ``ros2`` backend (``env.options``), readable without ROS 2 installed.
 
-The reach task's options have the same names and defaults as ``mujoco_reach``'s, so a
-sim config's ``env.options`` carries over, and :meth:`Ros2Config.spec` equals the
+The reach task's options come from :class:`sim_bridges.reach.ReachTaskOptions`, as
+``mujoco_reach``'s do, so a sim config's ``env.options`` carries over, and :meth:`Ros2Config.spec` equals the
 MuJoCo backend's spec for the same options (the same policy then drives both)::
 
     env:
@@ -25,18 +25,8 @@ from typing import Any, Literal
 from gateway.episode import ArraySpec, EnvSpec
 from robots.safety import SafetyConfig
 from robots.topic_map import TopicMap, load_topic_map
-from sim_bridges.reach import IMAGE_KEY, ReachTask
+from sim_bridges.reach import IMAGE_KEY, ReachTaskOptions
 
-_TASK = ReachTask()
-_TASK_FIELDS = (
-    "success_radius",
-    "max_delta",
-    "terminate_on_success",
-    "target_min_radius",
-    "target_max_radius",
-    "target_max_angle",
-    "init_noise",
-)
 _TASK_KEYS = frozenset({"joint_pos", "joint_vel"})
 
 
@@ -68,33 +58,11 @@ class ResetConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Ros2Config:
-    """Options of the ``ros2`` backend: a real robot (or the emulator) over ROS 2."""
+class Ros2Config(ReachTaskOptions):
+    """Options of the ``ros2`` backend: the reach task's (as ``mujoco_reach`` takes them) and the robot's."""
 
-    task: Literal["reach"] = "reach"
+    task_name: Literal["reach"] = "reach"
     """The task whose rules (reward, success, targets) apply to the robot's observations."""
-    max_episode_steps: int = 50
-    """Steps after which an episode is truncated."""
-    success_radius: float = _TASK.success_radius
-    """Fingertip-target distance (m) below which a step counts as a success."""
-    max_delta: float = _TASK.max_delta
-    """Joint position target change (rad) of a full-scale action in one control step."""
-    terminate_on_success: bool = _TASK.terminate_on_success
-    """End an episode on its first successful step instead of only at the step limit."""
-    target_min_radius: float = _TASK.target_min_radius
-    """Nearest target distance from the arm's base (m)."""
-    target_max_radius: float = _TASK.target_max_radius
-    """Farthest target distance from the arm's base (m)."""
-    target_max_angle: float = _TASK.target_max_angle
-    """Targets lie within +-this angle (rad) of the arm's x axis."""
-    init_noise: float = _TASK.init_noise
-    """Half-width (rad) of the uniform noise on the start posture (0: always the home pose)."""
-    camera: bool = False
-    """Add an ``image`` observation from the topic map's ``image`` source."""
-    image_width: int = 84
-    """Image width (pixels) of the observation; camera frames are resized to it."""
-    image_height: int = 84
-    """Image height (pixels) of the observation."""
     control_hz: float = 20.0
     """Control rate (steps per second); must match the sim twin's for the specs to match."""
     clock: Literal["backend", "robot"] = "backend"
@@ -131,11 +99,9 @@ class Ros2Config:
     """The loaded topic map (set when the config is validated)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         checks: list[tuple[str, bool, str]] = [
-            ("max_episode_steps", self.max_episode_steps >= 1, ">= 1"),
             ("control_hz", 0 < self.control_hz <= 2000, "in (0, 2000]"),
-            ("image_width", 1 <= self.image_width <= 1024, "in 1..1024"),
-            ("image_height", 1 <= self.image_height <= 1024, "in 1..1024"),
             ("max_skew_s", self.max_skew_s > 0, "> 0"),
             ("max_age_s", self.max_age_s > 0, "> 0"),
             ("lost_timeout_s", self.lost_timeout_s > self.max_age_s, f"> max_age_s ({self.max_age_s})"),
@@ -151,10 +117,6 @@ class Ros2Config:
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"env.options.{name} must be {rule}, got {getattr(self, name)!r}")
-        try:
-            self.task_rules()
-        except ValueError as exc:
-            raise ValueError(f"env.options.{exc}") from exc
         topic_map = load_topic_map(self.topic_map)
         object.__setattr__(self, "parsed_map", topic_map)
         needed = set(self.observation_keys())
@@ -178,14 +140,6 @@ class Ros2Config:
         assert self.parsed_map is not None
         return self.parsed_map
 
-    def task_rules(self) -> ReachTask:
-        """The task, with this config's options (the arm's geometry is the task's)."""
-        return ReachTask(**{name: getattr(self, name) for name in _TASK_FIELDS})
-
-    @property
-    def image_shape(self) -> tuple[int, int] | None:
-        return (self.image_height, self.image_width) if self.camera else None
-
     def observation_keys(self) -> list[str]:
         """Keys read from the robot: the task's joint state, the camera, the extras."""
         keys = sorted(_TASK_KEYS) + ([IMAGE_KEY] if self.camera else [])
@@ -193,9 +147,7 @@ class Ros2Config:
 
     def spec(self) -> EnvSpec:
         """The task's spec (equal to ``mujoco_reach``'s for the same options) plus any extras."""
-        spec = self.task_rules().spec(
-            max_episode_steps=self.max_episode_steps, control_hz=self.control_hz, image_shape=self.image_shape
-        )
+        spec = self.task_spec(control_hz=self.control_hz)
         if not self.extra_observations:
             return spec
         observation = dict(spec.observation)
