@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -14,15 +12,10 @@ import pytest
 from gateway.config import load_config
 from gateway.store import EpisodeStore
 from gateway.supervisor import ControlClient, prepare_run
-from tests.conftest import REPO, log_of, wait_for, write_config
+from tests.conftest import log_of, wait_for, write_config
+from tests.test_cli import loopgate
 
 pytestmark = pytest.mark.e2e
-
-
-def loopgate(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gateway", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def test_up_with_inference_servers_runs_the_demo_config_end_to_end(tmp_path):

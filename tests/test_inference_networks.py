@@ -161,6 +161,28 @@ def test_state_dicts_are_checked_for_names_shapes_dtypes_and_finite_values(chang
         check_state_dict(arrays, expected)
 
 
+# -------------------------------------------------------------------- batching
+
+
+def test_a_batch_waits_only_for_requests_that_known_peers_have_not_sent_yet():
+    from gateway.inference.batcher import Arrivals
+
+    arrivals = Arrivals()
+    arrivals.arrived(b"lone", 0.0)
+    assert arrivals.expected(0.001) == 0  # a lone closed-loop client: nothing to wait for
+    arrivals.answered(b"lone")
+    arrivals.arrived(b"gw", 0.002)
+    arrivals.arrived(b"gw", 0.002)  # a gateway with two workers keeps two in flight
+    arrivals.answered(b"gw")
+    arrivals.answered(b"gw")
+    arrivals.arrived(b"gw", 0.003)
+    assert arrivals.expected(0.004) == 2  # lone's next request and gw's second one
+    arrivals.arrived(b"lone", 0.004)
+    arrivals.arrived(b"gw", 0.004)
+    assert arrivals.expected(0.005) == 0
+    assert arrivals.expected(10.0) == 0  # silent peers stop counting
+
+
 # ---------------------------------------------------------------------- config
 
 

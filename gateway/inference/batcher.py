@@ -93,6 +93,51 @@ class Stats:
             }
 
 
+class Arrivals:
+    """Which peers send requests and how many each keeps in flight: whether waiting can help.
+
+    Gateways are closed loops: a worker's next observation comes only after its action,
+    so a peer keeps a steady number of requests in flight (one per worker it serves).
+    When every recently active peer has that many queued, no request is on its way and
+    a batch leaves at once instead of waiting out ``max_wait_us`` (a lone client would
+    otherwise pay the whole wait on every request). Used under the batcher's lock.
+    """
+
+    WINDOW_S = 1.0
+    """A peer silent this long no longer counts; its in-flight peak is forgotten as slowly."""
+
+    def __init__(self) -> None:
+        # route -> [in flight, peak this window, peak last window, last request, window start]
+        self.peers: dict[bytes, list[float]] = {}
+
+    def arrived(self, route: bytes, now: float) -> None:
+        peer = self.peers.get(route)
+        if peer is None:
+            peer = self.peers[route] = [0, 0, 0, now, now]
+        peer[0] += 1
+        peer[1] = max(peer[1], peer[0])
+        peer[3] = now
+
+    def answered(self, route: bytes) -> None:
+        peer = self.peers.get(route)
+        if peer is not None:
+            peer[0] = max(0, peer[0] - 1)
+
+    def expected(self, now: float) -> int:
+        """Requests recently active peers usually have in flight and have not sent yet."""
+        missing = 0
+        for route, peer in list(self.peers.items()):
+            inflight, peak, previous, last, since = peer
+            if now - since > self.WINDOW_S:
+                peer[1], peer[2], peer[4] = inflight, peak, now
+            if now - last > self.WINDOW_S:
+                if inflight == 0 and now - last > 2 * self.WINDOW_S:
+                    del self.peers[route]
+                continue
+            missing += int(max(0, max(peak, previous) - inflight))
+        return missing
+
+
 class Batcher:
     """The request queue, the serving version and the inference loop."""
 
@@ -119,6 +164,7 @@ class Batcher:
         self.cond = threading.Condition()
         self.queue: deque[Request] = deque()
         self.queued_rows = 0
+        self.arrivals = Arrivals()
         self.staged: Staged | None = None
         self.newest = policy.version
         """Newest version serving or staged; a publication must be newer (reset by a rollback)."""
@@ -138,6 +184,7 @@ class Batcher:
                 return False
             self.queue.append(request)
             self.queued_rows += request.rows
+            self.arrivals.arrived(request.route, request.t_recv)
             self.cond.notify()
         return True
 
@@ -188,7 +235,12 @@ class Batcher:
             for change in changes:
                 change()
             if batch:
-                self._serve(batch)
+                try:
+                    self._serve(batch)
+                finally:
+                    with self.cond:
+                        for request in batch:
+                            self.arrivals.answered(request.route)
 
     def _take_changes(self) -> list[Callable[[], None]]:
         """Swap in staged weights or roll back (lock held); the answers are sent after."""
@@ -231,11 +283,15 @@ class Batcher:
         return done
 
     def _wait_for_more(self) -> None:
-        """Let a young batch grow until ``max_batch`` rows or the oldest request's wait is over (lock held)."""
+        """Let a young batch grow (lock held) until ``max_batch`` rows, the oldest request's
+        ``max_wait_us``, or no request is to be expected (:class:`Arrivals`)."""
         flush_at = self.queue[0].t_recv + self.max_wait_s
         while self.queued_rows < self.max_batch and not self.stopping:
-            remaining = flush_at - time.monotonic()
+            now = time.monotonic()
+            remaining = flush_at - now
             if remaining <= 0 or self.staged is not None or self.rollback is not None:
+                return
+            if not self.arrivals.expected(now):
                 return
             self.cond.wait(remaining)
 
