@@ -138,16 +138,20 @@ class ReplayClient:
     def _wait(self, seq: int, deadline: float) -> Message:
         if seq in self._early:
             return self._checked(self._early.pop(seq))
+        return self._checked(self._answer(seq, deadline, "sample"))
+
+    def _answer(self, seq: int, deadline: float, what: str) -> Message:
+        """The message answering ``seq``; answers to other requests in flight are kept."""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self.sock.poll(int(remaining * 1000) + 1):
-                raise ReplayUnavailable(f"no answer from the replay service at {self.address}")
+                raise ReplayUnavailable(f"{what}: no answer from the replay service at {self.address}")
             msg = recv(self.sock)
             if msg.seq == seq:
-                return self._checked(msg)
+                return msg
             if any(s == msg.seq for s, _ in self._inflight):
                 self._early[msg.seq] = msg
-            # else: the answer to a request of an older shape
+            # else: the answer to a request of an older shape, or to a fire-and-forget command
 
     @staticmethod
     def _checked(msg: Message) -> Message:
@@ -185,16 +189,7 @@ class ReplayClient:
         send(self.sock, Message(MsgType.COMMAND, seq=seq, meta={"cmd": cmd}, arrays=arrays))
         if wait_s is None:
             return None
-        deadline = time.monotonic() + wait_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.sock.poll(int(remaining * 1000) + 1):
-                raise ReplayUnavailable(f"{cmd}: no answer from {self.address} within {wait_s} s")
-            msg = recv(self.sock)
-            if msg.seq == seq:
-                return raise_for_error(msg).meta
-            if any(s == msg.seq for s, _ in self._inflight):
-                self._early[msg.seq] = msg
+        return raise_for_error(self._answer(seq, time.monotonic() + wait_s, cmd)).meta
 
     def close(self) -> None:
         self.sock.close(linger=0)

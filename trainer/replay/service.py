@@ -219,12 +219,17 @@ class ReplayService:
         self.errors[exc.code.value] = self.errors.get(exc.code.value, 0) + 1
         send(sock, error_message(exc.code.value, exc.message, seq), route=[route])
 
-    def on_sample_socket(self) -> None:
-        route, msg, err = recv_routed(self.sample_sock)
+    def _receive(self, sock: zmq.Socket[Any]) -> tuple[bytes, Message | None]:
+        """One routed message, or None after answering a malformed one."""
+        route, msg, err = recv_routed(sock)
         if err is not None:
-            self._error(self.sample_sock, route, err, 0)
+            self._error(sock, route, err, 0)
+        return route, msg
+
+    def on_sample_socket(self) -> None:
+        route, msg = self._receive(self.sample_sock)
+        if msg is None:
             return
-        assert msg is not None
         try:
             if msg.type is MsgType.SAMPLE:
                 self._on_sample(route, msg)
@@ -307,11 +312,9 @@ class ReplayService:
         )
 
     def on_control_socket(self) -> None:
-        route, msg, err = recv_routed(self.control_sock)
-        if err is not None:
-            self._error(self.control_sock, route, err, 0)
+        route, msg = self._receive(self.control_sock)
+        if msg is None:
             return
-        assert msg is not None
         try:
             if msg.type is not MsgType.COMMAND:
                 raise ProtocolError(
