@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -150,8 +151,6 @@ def run(quick: bool, repeats: int) -> list[Record]:
     placement = f"robot on cpu {describe_cpus(cpus[0])}, controller side on cpu {describe_cpus(cpus[1])}"
     records: list[Record] = []
     with DomainLease() as domain:
-        import os
-
         saved = {k: os.environ.get(k) for k in ros_env(domain.id)}
         os.environ.update(ros_env(domain.id))  # children join this run's own ROS domain
         try:

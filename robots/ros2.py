@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -171,8 +172,6 @@ class Ros2Backend(EpisodeBackend):
             time.sleep(0.02)
 
     def _domain(self) -> str:
-        import os
-
         return str(
             self.config.domain_id if self.config.domain_id is not None else os.environ.get("ROS_DOMAIN_ID", 0)
         )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import random
 import sys
 import tempfile
@@ -96,8 +95,3 @@ def ros2_available() -> str | None:
     except ImportError as exc:
         return f"ROS 2 is not installed ({exc}); pip install -e '.[ros2]' or source a ROS 2 Kilted install"
     return None
-
-
-def child_env(domain_id: int) -> dict[str, str]:
-    """``os.environ`` plus :func:`ros_env` (for ``subprocess`` calls that take a whole environment)."""
-    return {**os.environ, **ros_env(domain_id)}

@@ -18,6 +18,7 @@ import pytest
 
 from gateway.config import ConfigError
 from robots.sources import TopicMapMismatch
+from robots.testing import read_record
 from tests.conftest import REPO, wait_for
 from tests.test_ros2_backend import (  # noqa: F401 - fixtures
     WHY_NOT,
@@ -124,7 +125,7 @@ def test_estop_topic_halts_every_robot_within_one_control_period(robot, backends
     infos = [backend.step(push)[4] for _ in range(8)]  # the policy keeps pushing
     assert all(info["estopped"].all() for info in infos)
     for record in records:
-        entries = read_entries(record)
+        entries = read_record(record)
         assert any(e["topic"] == "estop" and e["data"] for e in entries)
         # Arrival times on the robot's side, against the moment the e-stop was sent.
         after = [e for e in entries if e["topic"] == "command" and e["t"] > t_stop]
@@ -142,12 +143,6 @@ def test_estop_topic_halts_every_robot_within_one_control_period(robot, backends
     assert not backend.step(push)[4]["estopped"].any()
     wait_for(lambda: len(commands(records[0])) > before, what="commands after the release")
     assert backend.counters()["estops"] == 1  # type: ignore[attr-defined]
-
-
-def read_entries(record: Any) -> list[dict[str, Any]]:
-    from robots.testing import read_record
-
-    return read_record(record)
 
 
 def test_topic_map_naming_a_missing_joint_fails_at_start_up(robot, backends, domain, tmp_path) -> None:
