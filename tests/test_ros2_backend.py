@@ -9,8 +9,10 @@ never see each other. Safety is checked from the robot's side: emulators started
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,18 +59,31 @@ def domain(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
         yield lease.id
 
 
+def stop_gracefully(processes: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+    """SIGTERM, so DDS participants remove their shared-memory segments (SIGKILL leaves them behind)."""
+    for proc in processes:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout_s)
+
+
 @pytest.fixture
-def robot(procs: Procs, domain: int, tmp_path: Path) -> Callable[..., Path]:
+def robot(procs: Procs, domain: int, tmp_path: Path) -> Iterator[Callable[..., Path]]:
     """Starts an emulator in namespace ``ns``; returns the path of its command record."""
+    started: list[subprocess.Popen[bytes]] = []
 
     def start(ns: str, *args: str) -> Path:
         record = tmp_path / f"record-{ns.strip('/') or 'root'}.jsonl"
-        procs.spawn(
-            *emulator_argv(*args, namespace=ns, record=record)[1:], name=f"emulator{ns.replace('/', '-')}"
-        )
+        argv = emulator_argv(*args, namespace=ns, record=record)[1:]
+        started.append(procs.spawn(*argv, name=f"emulator{ns.replace('/', '-')}"))
         return record
 
-    return start
+    try:
+        yield start
+    finally:
+        stop_gracefully(started)
 
 
 @pytest.fixture
@@ -110,6 +125,7 @@ def conformance_robots(
             request.cls.domain = lease.id
             yield
         finally:
+            stop_gracefully(procs.procs)
             procs.kill_all()
             mp.undo()
 

@@ -25,6 +25,7 @@ from tests.test_ros2_backend import (  # noqa: F401 - fixtures
     domain,
     options,
     robot,
+    stop_gracefully,
 )
 from tests.test_ros2_safety import PERIOD_S, SCHEDULING_SLACK_S
 
@@ -57,7 +58,14 @@ def test_operator_ready_and_estop_reach_the_robot_through_the_gateway(gateway_ru
     run = gateway_run(
         {"env": {"backend": "ros2", "num_envs": 1, "options": env_options}, "policy": {"kind": "random"}}
     )
-    run.worker(0)
+    worker = run.worker(0)
+    try:
+        ready_then_estop(run, record)
+    finally:
+        stop_gracefully([worker])
+
+
+def ready_then_estop(run: Any, record: Path) -> None:
     wait_for(lambda: run.status()["workers"], timeout=60, what="the worker to register")
     # Waiting for the operator takes longer than the gateway's worker timeout (3 s):
     # the backend's keepalive keeps the worker registered meanwhile.
@@ -140,6 +148,7 @@ def test_robot_killed_mid_episode_is_interrupted_and_picked_up_when_it_returns(
         )
     finally:
         control.close()
+        stop_gracefully([p for p in procs.procs if Path(p.log_path).name.startswith("worker-b")])  # type: ignore[attr-defined]
         up.send_signal(signal.SIGINT)
         up.wait(timeout=60)
     summary = json.loads((Path(run_dir) / "summary.json").read_text())
