@@ -26,7 +26,11 @@ from __future__ import annotations
 
 import abc
 import logging
+import os
+import shutil
+import tempfile
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -203,14 +207,26 @@ class TorchBackend(Backend):
         self.device = _torch_device(config.device)
         if config.threads and self.device == "cpu":
             torch.set_num_threads(config.threads)
-        probe = make_actor(spec, config.network)
+        self.template = make_actor(spec, config.network)
+        probe = self.template
         self.expected = {
             k: (str(v.dtype).replace("torch.", ""), tuple(v.shape)) for k, v in probe.state_dict().items()
         }
 
+    def _empty_actor(self) -> Any:
+        """An actor with uninitialised parameters on the device (a random initialisation
+        of a large network costs far more than loading the published weights)."""
+        torch = self.torch
+        with torch.device("meta"):
+            actor = self._make_actor(self.spec, self.config.network)
+        actor = actor.to_empty(device=self.device)
+        for name, buf in self.template.named_buffers():  # the action bounds
+            actor.get_buffer(name).copy_(buf)
+        return actor
+
     def _build(self, arrays: dict[str, np.ndarray], version: int) -> TorchPolicy:
         torch = self.torch
-        actor = self._make_actor(self.spec, self.config.network)
+        actor = self._empty_actor()
         actor.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in arrays.items()}, strict=True)
         actor.to(self.device).eval()
         c = self.config
@@ -318,8 +334,26 @@ class OrtBackend(Backend):
         if "CPUExecutionProvider" not in wanted:
             wanted.append("CPUExecutionProvider")
         self.providers = wanted
-        self.base: bytes = b""
+        # Sessions are created from files: from bytes onnxruntime holds the interpreter
+        # lock while it parses (tens of ms for a 10 M model, stalling the serving
+        # threads); from a path it does not. The graph file is written once per graph.
+        self._dir = tempfile.mkdtemp(prefix="loopgate-inference-")
+        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        self.base = ""
         self.expected: dict[str, tuple[str, tuple[int, ...]]] = {}
+
+    def _write(self, blob: bytes | np.ndarray, name: str) -> str:
+        path = os.path.join(self._dir, name)
+        with open(path, "wb") as f:
+            f.write(blob if isinstance(blob, bytes) else blob.data)
+        return path
+
+    def _rebase(self, path: str, initializers: dict[str, np.ndarray]) -> None:
+        """Later state dicts load into the graph at ``path`` (by initializer name)."""
+        if self.base and self.base != path:
+            os.unlink(self.base)
+        self.base = path
+        self.expected = {k: (v.dtype.name, tuple(v.shape)) for k, v in initializers.items()}
 
     def _provider_list(self) -> list[Any]:
         out: list[Any] = []
@@ -330,7 +364,7 @@ class OrtBackend(Backend):
                 out.append(p)
         return out
 
-    def _session(self, blob: bytes, overrides: dict[str, np.ndarray] | None, version: int) -> OrtPolicy:
+    def _session(self, path: str, overrides: dict[str, np.ndarray] | None, version: int) -> OrtPolicy:
         ort = self.ort
         options = ort.SessionOptions()
         if self.config.threads:
@@ -344,7 +378,7 @@ class OrtBackend(Backend):
             for name, value in keep.items():
                 options.add_initializer(name, value)
         try:
-            session = ort.InferenceSession(blob, options, providers=self._provider_list())
+            session = ort.InferenceSession(path, options, providers=self._provider_list())
         except Exception as exc:  # onnxruntime raises its own untyped errors for bad graphs
             raise WeightsError(ErrorCode.BAD_WEIGHTS, f"onnxruntime cannot load the model: {exc}") from None
         on_gpu = session.get_providers()[0] in GPU_PROVIDERS
@@ -386,9 +420,9 @@ class OrtBackend(Backend):
         for name, arr in initializers.items():
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
                 raise WeightsError(ErrorCode.BAD_WEIGHTS, f"initializer {name!r} has NaN or Inf values")
-        policy = self._session(blob, None, 0)
-        self.base = blob
-        self.expected = {k: (v.dtype.name, tuple(v.shape)) for k, v in initializers.items()}
+        path = self._write(blob, "base.onnx")
+        policy = self._session(path, None, 0)
+        self._rebase(path, initializers)
         return policy
 
     def initial(self) -> LoadedPolicy:
@@ -425,12 +459,13 @@ class OrtBackend(Backend):
             arr = numpy_helper.to_array(init)
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
                 raise WeightsError(ErrorCode.BAD_WEIGHTS, f"initializer {init.name!r} has NaN or Inf values")
-        data = blob.tobytes()
-        policy = self._session(data, None, version)
-        # Later state dicts load into this graph (same names) when it fits the old one.
-        initializers = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-        self.base = data
-        self.expected = {k: (v.dtype.name, tuple(v.shape)) for k, v in initializers.items()}
+        path = self._write(blob, f"version-{version}.onnx")
+        try:
+            policy = self._session(path, None, version)
+        except WeightsError:
+            os.unlink(path)
+            raise
+        self._rebase(path, {i.name: numpy_helper.to_array(i) for i in model.graph.initializer})
         return policy
 
     def describe(self) -> dict[str, Any]:
