@@ -35,6 +35,14 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def _die_with_parent() -> None:
+    """In the child: be killed when the test process dies, even if it is killed outright."""
+    import ctypes
+
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class Procs:
     """Subprocesses of one test, killed at teardown."""
 
@@ -48,6 +56,7 @@ class Procs:
         log = open(self.tmp / f"{name}-{len(self.procs)}.log", "wb")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(
             [sys.executable, *args],
+            preexec_fn=_die_with_parent,
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,

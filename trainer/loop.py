@@ -188,9 +188,12 @@ class Trainer:
         """Rank 0's decision, shared with every rank."""
         if self.tc.max_updates is not None and self.c.updates >= self.tc.max_updates:
             self.request_stop(f"{self.c.updates} updates done")
+        if self.world.size == 1:
+            return self.stop_requested
+        if self.c.updates % 10 and self.tc.mode != "sync":
+            return False  # a collective per update is measurable on CPU; ten updates late is fine
         flag = torch.tensor([1.0 if self.stop_requested else 0.0])
-        if self.world.size > 1:
-            dist.broadcast(flag, src=0)
+        dist.broadcast(flag, src=0)
         return bool(flag.item() > 0)
 
     def update(self) -> None:
@@ -212,8 +215,32 @@ class Trainer:
 
     # -------------------------------------------------------------------- loop
 
+    def resume_version(self) -> None:
+        """Never publish a version older than one already out (after a restart from a
+        checkpoint older than the last publication): continue from the gateway's view."""
+        seen = torch.tensor([float(self.c.version)])
+        if self.control is not None:
+            try:
+                status = self.control.request("status", timeout_s=10.0)
+                seen[0] = max(
+                    self.c.version,
+                    int(status.get("trainer_version", 0)),
+                    int(status.get("policy_version", 0)),
+                )
+            except (Timeout, RemoteError) as exc:
+                log.warning("could not ask the gateway for published versions: %s", exc)
+        if self.world.size > 1:
+            dist.broadcast(seen, src=0)
+        if int(seen.item()) > self.c.version:
+            log.info("continuing after version %d (published before the restart)", int(seen.item()))
+            self.c.version = int(seen.item())
+
     def run(self) -> int:
+        self.resume_version()
         self.publish()  # the servers act with the trainer's weights from the start
+        if self.c.updates == 0 and self.tc.eval_every and self.control is not None:
+            # The untrained policy's score: the first point of the learning curve.
+            self.control.request("evaluate", timeout_s=5.0, episodes=self.tc.eval_episodes)
         last_report = time.monotonic()
         started, start_updates, start_wait, start_compute = time.monotonic(), self.c.updates, 0.0, 0.0
         try:

@@ -17,7 +17,7 @@ from torch import nn
 
 from gateway.episode import EnvSpec
 from trainer.algos import Algorithm
-from trainer.algos.common import all_finite, clip_and_check
+from trainer.algos.common import clip_and_check
 from trainer.networks import make_actor
 
 _EDGE = 1e-4  # keeps atanh finite for demonstrated actions on the bounds
@@ -76,9 +76,6 @@ class BehaviourCloning(Algorithm):
             eps = (torch.atanh(unit) - mean) / torch.exp(log_std)
             _, log_prob = actor.sample(obs, eps)
             loss = -log_prob.mean()
-        if not all_finite(loss):
-            self.skipped_updates += 1
-            return {"skipped": 1.0}
         opt = self._opts["actor"][1]
         opt.zero_grad(set_to_none=True)
         loss.backward()

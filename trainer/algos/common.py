@@ -1,18 +1,10 @@
-"""Pieces algorithms share: finite-step guards and distributed scalar reductions."""
+"""Pieces algorithms share: the finite-gradient guard, replicated-gradient averaging, Polyak updates."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-
-def all_finite(*values: torch.Tensor) -> bool:
-    """Whether every value is finite on every rank (all ranks agree, so all skip together)."""
-    ok = torch.tensor([float(all(bool(torch.isfinite(v).all()) for v in values))])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item() > 0)
 
 
 def clip_and_check(module: nn.Module, max_norm: float) -> bool:

@@ -18,7 +18,7 @@ from torch import nn
 
 from gateway.episode import EnvSpec
 from trainer.algos import Algorithm
-from trainer.algos.common import all_finite, average_grad, clip_and_check, soft_update
+from trainer.algos.common import average_grad, clip_and_check, soft_update
 from trainer.networks import make_actor, make_encoder, mlp
 
 
@@ -130,9 +130,9 @@ class SAC(Algorithm):
             target_q = reward + discount * not_done * (torch.min(tq1, tq2) - alpha * next_logp)
         q1, q2 = self.critic(obs, action)
         critic_loss = 0.5 * ((q1 - target_q).pow(2).mean() + (q2 - target_q).pow(2).mean())
-        if not all_finite(critic_loss):
-            self.skipped_updates += 1
-            return {"skipped": 1.0}
+        # Every rank runs every backward (FSDP's collectives must match); a non-finite
+        # loss on any rank makes the reduced gradient norm non-finite on all of them,
+        # and that is where they all agree to skip the step.
         critic_opt, actor_opt = self._opts["critic"][1], self._opts["actor"][1]
         critic_opt.zero_grad(set_to_none=True)
         critic_loss.backward()
@@ -146,14 +146,12 @@ class SAC(Algorithm):
         pq1, pq2 = self.critic(obs, new_action)
         actor_loss = (alpha * logp - torch.min(pq1, pq2)).mean()
         alpha_loss = -(self.log_alpha * (logp.detach() + self.target_entropy)).mean()
-        if not all_finite(actor_loss, alpha_loss):
-            self.skipped_updates += 1
-            return {"skipped": 1.0, "loss/critic": float(critic_loss.detach())}
         actor_opt.zero_grad(set_to_none=True)
         self.alpha_opt.zero_grad(set_to_none=True)
         (actor_loss + alpha_loss).backward()
         average_grad(self.log_alpha)
-        if not clip_and_check(self._actor, c.max_grad_norm):
+        alpha_ok = self.log_alpha.grad is not None and bool(torch.isfinite(self.log_alpha.grad).all())
+        if not (clip_and_check(self._actor, c.max_grad_norm) and alpha_ok):
             self.skipped_updates += 1
             return {"skipped": 1.0, "loss/critic": float(critic_loss.detach())}
         actor_opt.step()
