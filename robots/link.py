@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -105,10 +106,7 @@ class RobotLink:
 
     def state_interval(self) -> float:
         """Mean interval (s) between the last joint states, 0 when unknown."""
-        entries = self.histories[self.primary].snapshot()
-        if len(entries) < 2:
-            return 0.0
-        return (entries[-1].received - entries[0].received) / (len(entries) - 1)
+        return self.histories[self.primary].mean_interval()
 
     def publish(self, values: npt.NDArray[np.float64], period: float) -> None:
         data = [float(v) for v in values]
@@ -163,8 +161,9 @@ class LoopStats:
             "jitter_max_us": round(float(jitter.max()), 1),
         }
 
-    def maybe_log(self, what: str, extra: dict[str, Any], every_s: float = 30.0) -> None:
+    def maybe_log(self, what: str, describe: Callable[[], dict[str, Any]], every_s: float = 30.0) -> None:
+        """Log ``describe()`` at most every ``every_s``; it is only evaluated then (it is not cheap)."""
         now = time.monotonic()
         if now - self._last_log >= every_s:
             self._last_log = now
-            log.info("%s: %s", what, {**self.summary(), **extra})
+            log.info("%s: %s", what, describe())

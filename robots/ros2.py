@@ -359,7 +359,7 @@ class Ros2Backend(EpisodeBackend):
             obs = {key: value.copy() for key, value in obs.items()}
             for key, value in fresh.items():
                 obs[key][finished] = value[finished]
-        self.stats.maybe_log("ros2 control loop", self.counters())
+        self.stats.maybe_log("ros2 control loop", self.counters)
         return obs, reward.astype(np.float32), terminated, truncated, info
 
     def _estop_flags(self) -> npt.NDArray[np.bool_]:

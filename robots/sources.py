@@ -74,6 +74,12 @@ class History:
         with self.changed:
             return self._entries[-1]
 
+    def mean_interval(self) -> float:
+        """Mean time (s) between the arrivals of the kept entries; 0 with fewer than two."""
+        with self.changed:
+            n = len(self._entries)
+            return (self._entries[-1].received - self._entries[0].received) / (n - 1) if n > 1 else 0.0
+
     def latest_received(self) -> float:
         """Arrival time (monotonic) of the newest entry; -inf when empty."""
         with self.changed:
