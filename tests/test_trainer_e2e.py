@@ -1,0 +1,170 @@
+"""The whole loop under ``loopgate up``: collection, replay, FSDP trainer, inference, evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.metrics import read_metrics
+from tests.conftest import REPO, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def config(tmp_path: Path, **trainer) -> Path:
+    cfg = {
+        "env": {"backend": "mujoco_reach", "workers": 2, "num_envs": 4, "seed": 1},
+        "policy": {"kind": "inference"},
+        "inference": {
+            "enabled": True,
+            "backend": "torch",
+            "deterministic": False,
+            "network": {"hidden_sizes": [64, 64]},
+        },
+        "replay": {
+            "enabled": True,
+            "tables": [
+                {"name": "online", "min_size_to_sample": 500, "samples_per_insert": 32, "error_buffer": 20000}
+            ],
+        },
+        "trainer": {
+            "enabled": True,
+            "nproc": 2,
+            "batch_size": 64,
+            "publish_every": 10,
+            "eval_every": 40,
+            "eval_episodes": 8,
+            "final_eval_episodes": 8,
+            "checkpoint_every": 20,
+            **trainer,
+        },
+        "run": {"max_env_steps": 10_000_000},
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def up(path: Path, run: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway", "up", str(path), "--run-dir", str(run), *extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 420) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return out
+
+
+def trainer_records(run: Path) -> list[dict]:
+    return [
+        r for r in read_metrics(run / "metrics.jsonl") if r.get("service") == "trainer" and "version" in r
+    ]
+
+
+def test_up_trains_publishes_evaluates_and_plots(tmp_path):
+    run = tmp_path / "run"
+    out = finish(up(config(tmp_path, max_updates=80), run))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outcome"] == "completed", out[-3000:]
+    for key in ("eval_success_rate", "eval_return", "policy_version", "policy_lag_mean", "policy_lag_p99"):
+        assert summary[key] is not None, key
+    assert summary["policy_version"] >= 8  # 80 updates / 10, plus the initial and final versions
+    assert summary["eval_episodes"] == 8
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
+    assert (run / "learning_curve.png").stat().st_size > 1000
+    assert (run / "checkpoints" / "latest").exists()
+    # Evaluation episodes are recorded but never reach a training table.
+    replay = [r for r in read_metrics(run / "metrics.jsonl") if r.get("service") == "replay"]
+    assert replay[-1]["eval_chunks"] > 0
+    versions = [r["version"] for r in trainer_records(run)]
+    assert versions == sorted(versions)
+
+
+def test_trainer_killed_mid_run_resumes_and_versions_never_go_backwards(tmp_path):
+    run = tmp_path / "run"
+    proc = up(config(tmp_path, max_updates=200), run)
+    try:
+        wait_for(
+            lambda: (
+                (run / "checkpoints" / "latest").exists()
+                and any(r["updates"] >= 50 for r in trainer_records(run))
+            ),
+            timeout=300,
+            what="a checkpoint and 50 updates",
+        )
+        pid = int(
+            subprocess.run(
+                ["pgrep", "-f", f"torch.distributed.run.*{run}"], capture_output=True, text=True
+            ).stdout.split()[0]
+        )
+        steps_at_kill = max(r.get("env_steps", 0) for r in read_metrics(run / "metrics.jsonl"))
+        os.kill(pid, signal.SIGKILL)
+        wait_for(
+            lambda: "resumed from step-" in (run / "logs" / "trainer.log").read_text(),
+            timeout=180,
+            what="the trainer to resume from its checkpoint",
+        )
+    except BaseException:
+        proc.kill()
+        raise
+    out = finish(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outcome"] == "completed", out[-3000:]
+    assert "trainer exited with" in out and "restart 1/" in out
+    assert summary["env_steps"] > steps_at_kill  # collection went on
+    published = [
+        r.get("trainer_version", 0)
+        for r in read_metrics(run / "metrics.jsonl")
+        if r.get("service") == "gateway"
+    ]
+    assert published == sorted(published), "the gateway saw a policy version go backwards"
+    served = [
+        r["version"]
+        for r in read_metrics(run / "metrics.jsonl")
+        if str(r.get("service", "")).startswith("inference-") and "version" in r
+    ]
+    assert served == sorted(served)
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
+
+
+def test_an_inference_server_that_misses_publications_catches_up(tmp_path):
+    run = tmp_path / "run"
+    path = config(tmp_path, max_updates=160, eval_every=0, final_eval_episodes=0)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["inference"]["replicas"] = 2
+    path.write_text(yaml.safe_dump(cfg))
+    proc = up(path, run)
+    try:
+        wait_for(lambda: any(r["version"] >= 3 for r in trainer_records(run)), timeout=300, what="version 3")
+        pid = int(
+            subprocess.run(
+                ["pgrep", "-f", f"gateway.inference.*{run}.*--index 1"], capture_output=True, text=True
+            ).stdout.split()[0]
+        )
+        os.kill(pid, signal.SIGKILL)
+    except BaseException:
+        proc.kill()
+        raise
+    out = finish(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outcome"] == "completed", out[-3000:]
+    assert "inference-1 exited with" in out
+    final = summary["inference"]
+    assert final["inference-1"]["version"] == final["inference-0"]["version"] == summary["policy_version"]
+    assert summary["lost_steps"] == 0
