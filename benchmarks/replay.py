@@ -20,8 +20,9 @@ camera), transitions with their next observation, action f32[4], reward and flag
   against ``segment_log.steps_per_s.fsync``: the same chunks appended to a bare
   :class:`~gateway.segment_log.SegmentLog` in process, fsync every 16 chunks.
 
-The service runs on the first allowed CPU, this process (client, in-process buffers,
-TorchRL) on the second; figures are medians over repeats::
+The service runs on the first allowed CPU, in this process's session (see
+:class:`ServiceRun`), this process (client, in-process buffers, TorchRL) on the second;
+figures are medians over repeats::
 
     loopgate bench --only replay
 """
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.procs import Processes, pinned, split_placement
+from benchmarks.procs import REPO, pinned, split_placement
 from benchmarks.records import Record
 
 log = logging.getLogger(__name__)
@@ -227,32 +230,60 @@ def _feed(sink: Any, chunks: list[Any], window: int = 64) -> float:
 
 
 class ServiceRun:
-    """A replay service process with a config of our choosing."""
+    """A replay service process with a config of our choosing, stopped on leaving ``with``.
 
-    def __init__(
-        self, procs: Processes, tmp: Path, name: str, cpus: set[int], replay: dict[str, Any]
-    ) -> None:
+    Started in this process's session, unlike :class:`benchmarks.procs.Processes`: with
+    the kernel's autogroup scheduling (on by default), a process in a session of its own
+    is scheduled as a separate group, and on a machine shared with other load its every
+    wake-up waited behind that load (sampling over the socket measured up to 8x slower).
+    Same session, same footing as the TorchRL baseline running in this process.
+    """
+
+    def __init__(self, tmp: Path, name: str, cpus: set[int], replay: dict[str, Any]) -> None:
         import yaml
 
+        self.name = name
         run_dir = tmp / name
         run_dir.mkdir(parents=True)
         config = run_dir / "config.yaml"
         config.write_text(
             yaml.safe_dump({"env": {"backend": "mujoco_reach"}, "replay": {"enabled": True, **replay}})
         )
-        procs.python(name, "trainer.replay", "--config", str(config), "--run-dir", str(run_dir), cpus=cpus)
+        self.log_path = tmp / f"{name}.log"
+        argv = [sys.executable, "-m", "trainer.replay", "--config", str(config), "--run-dir", str(run_dir)]
+        with open(self.log_path, "wb") as out, pinned(cpus):
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
         path = run_dir / "endpoints.json"
 
         def up() -> bool:
-            procs.check_alive(name)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: {self.log_path.read_text(errors='replace')[-2000:]}")
             return path.exists() and "replay" in json.loads(path.read_text())
 
-        wait_until(up, 60, f"{name} endpoints")
+        try:
+            wait_until(up, 60, f"{name} endpoints")
+        except BaseException:
+            self.stop()
+            raise
         self.endpoints = json.loads(path.read_text())["replay"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> ServiceRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def socket_rates(
-    procs: Processes,
     tmp: Path,
     layout: str,
     chunks: list[Any],
@@ -266,26 +297,21 @@ def socket_rates(
     steps = len(chunks) * CHUNK
     name = f"svc-{layout}-{sampler}-{time.monotonic_ns()}"
     table = {"name": "online", "sampler": sampler, "max_size": steps}
-    svc = ServiceRun(
-        procs, tmp, name, cpus[0], {"tables": [table], "storage_steps": steps + EPISODE, "fsync": "never"}
-    )
-    sink = ReplaySink(svc.endpoints["ingest"])
-    try:
-        _feed(sink, chunks)
-    finally:
-        sink.close()
-    with ReplayClient(svc.endpoints["sample"], prefetch=4) as client:
-        wait_until(
-            lambda: client.status()["tables"]["online"]["size"] >= steps - len(chunks), 60, "table filled"
-        )
-        rate = _rate(BATCH, lambda: client.sample(BATCH, tables="online", timeout_s=30), calls)
-    procs.stop(name)
-    return rate
+    replay = {"tables": [table], "storage_steps": steps + EPISODE, "fsync": "never"}
+    with ServiceRun(tmp, name, cpus[0], replay) as svc:
+        sink = ReplaySink(svc.endpoints["ingest"])
+        try:
+            _feed(sink, chunks)
+        finally:
+            sink.close()
+        with ReplayClient(svc.endpoints["sample"], prefetch=4) as client:
+            wait_until(
+                lambda: client.status()["tables"]["online"]["size"] >= steps - len(chunks), 60, "table filled"
+            )
+            return _rate(BATCH, lambda: client.sample(BATCH, tables="online", timeout_s=30), calls)
 
 
-def ingest_rates(
-    procs: Processes, tmp: Path, chunks: list[Any], cpus: tuple[set[int], set[int]]
-) -> tuple[float, float]:
+def ingest_rates(tmp: Path, chunks: list[Any], cpus: tuple[set[int], set[int]]) -> tuple[float, float]:
     """(service steps/s acknowledged with fsync always, bare SegmentLog steps/s with fsync)."""
     from gateway.segment_log import SegmentLog
     from trainer.replay.sink import ReplaySink
@@ -293,15 +319,13 @@ def ingest_rates(
     steps = len(chunks) * CHUNK
     name = f"ingest-{time.monotonic_ns()}"
     table = {"name": "online", "max_size": steps}
-    svc = ServiceRun(
-        procs, tmp, name, cpus[0], {"tables": [table], "storage_steps": steps + EPISODE, "fsync": "always"}
-    )
-    sink = ReplaySink(svc.endpoints["ingest"])
-    try:
-        service = steps / _feed(sink, chunks)
-    finally:
-        sink.close()
-    procs.stop(name)
+    replay = {"tables": [table], "storage_steps": steps + EPISODE, "fsync": "always"}
+    with ServiceRun(tmp, name, cpus[0], replay) as svc:
+        sink = ReplaySink(svc.endpoints["ingest"])
+        try:
+            service = steps / _feed(sink, chunks)
+        finally:
+            sink.close()
     seg = SegmentLog(tmp / f"bare-{name}", fsync="always")
     start = time.perf_counter()
     for i, chunk in enumerate(chunks):
@@ -325,10 +349,7 @@ def run(quick: bool, repeats: int) -> list[Record]:
         if value is not None:
             values.setdefault(name, []).append(value)
 
-    with (
-        tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp_name,
-        Processes(Path(tmp_name) / "logs") as procs,
-    ):
+    with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp_name:
         tmp = Path(tmp_name)
         for layout in LAYOUTS:
             steps, calls = _sizes(quick, layout)
@@ -350,16 +371,16 @@ def run(quick: bool, repeats: int) -> list[Record]:
                     add(f"torchrl.sample_per_s.prio.{layout}", prio[1] if prio else None)
                     add(
                         f"replay.sample_per_s.socket.{layout}",
-                        socket_rates(procs, tmp, layout, chunks, calls, "uniform", (server, client)),
+                        socket_rates(tmp, layout, chunks, calls, "uniform", (server, client)),
                     )
                     add(
                         f"replay.sample_per_s.socket_prio.{layout}",
-                        socket_rates(procs, tmp, layout, chunks, calls, "prioritized", (server, client)),
+                        socket_rates(tmp, layout, chunks, calls, "prioritized", (server, client)),
                     )
         ingest_chunks = make_chunks("f32x32", 4096 if quick else 16384)
         for _ in range(repeats):
             with pinned(client):
-                service, bare = ingest_rates(procs, tmp, ingest_chunks, (server, client))
+                service, bare = ingest_rates(tmp, ingest_chunks, (server, client))
             add("replay.ingest_steps_per_s.fsync", service)
             add("segment_log.steps_per_s.fsync", bare)
     return _records(values)
