@@ -255,3 +255,15 @@ def test_bad_table_configs_name_the_field(tables, match):
 def test_replay_block_is_off_by_default():
     cfg = from_dict({})
     assert cfg.replay.enabled is False and cfg.replay.tables[0].name == "online"
+
+
+def test_the_plan_starts_nothing_when_disabled_and_one_service_when_enabled(tmp_path):
+    from gateway.services import RunContext
+    from trainer.replay.plan import plan_replay
+
+    run = RunContext(run_dir=tmp_path, config_path=tmp_path / "config.yaml", endpoints={})
+    assert plan_replay(from_dict({}), run) == [] and run.endpoints == {}
+    (service,) = plan_replay(from_dict({"replay": {"enabled": True}}), run)
+    assert service.name == "replay" and service.argv[1:3] == ["-m", "trainer.replay"]
+    assert set(run.endpoints["replay"]) == {"ingest", "sample", "control"}
+    assert all(a.startswith("tcp://127.0.0.1:") for a in run.endpoints["replay"].values())
