@@ -132,7 +132,8 @@ class ReplayLog:
         return deleted
 
     def size_bytes(self) -> int:
-        return self._log.size_bytes()
+        # Read from the service loop while the ingest thread may delete segments.
+        return sum(_size(self._log.path(s)) for s in self._log.segments())
 
     def segments(self) -> list[int]:
         return self._log.segments()
