@@ -212,7 +212,16 @@ def test_malformed_chunks_are_refused_naming_the_problem_and_the_service_goes_on
         send(sock, good)
         assert sock.poll(5000)
         assert recv(sock).type is MsgType.CHUNK_ACK
+        last = episode_chunks("fo", 4)[-1]
+        last.arrays["final_obs/q"] = np.zeros((1, 7), np.float32)
+        send(sock, last)
+        assert sock.poll(5000)
+        assert "final_obs/q" in recv(sock).meta["message"]
+        send(sock, episode_chunks("wide", 4, obs_size=5)[0])
+        assert sock.poll(5000)
+        assert "differ from the steps already stored" in recv(sock).meta["message"]
         assert count_chunks(stored(svc.run_dir)).chunks == 1
+        assert svc.status()["ingest"]["malformed"] == 5
     finally:
         sock.close(linger=0)
 

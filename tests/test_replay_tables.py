@@ -217,13 +217,17 @@ def test_the_step_ring_drops_items_of_overwritten_steps():
     np.testing.assert_array_equal(batch["next_obs/q"][:, 0], batch["obs/q"][:, 0] + 1)
 
 
-def test_a_chunk_with_different_arrays_is_refused_by_name():
+def test_a_chunk_with_different_arrays_is_refused_by_name_and_kept_out_of_tables():
     from gateway.protocol import ProtocolError
+    from trainer.replay.storage import check_arrays
 
     buf = buffer()
     fill(buf, episode_chunks("a", 4))
+    wide = episode_chunks("b", 4, obs_size=5)[0]
     with pytest.raises(ProtocolError, match="obs/q"):
-        buf.insert(episode_chunks("b", 4, obs_size=5)[0])
+        check_arrays(wide, buf.store.layout())
+    assert buf.insert(wide) == 0 and buf.refused_chunks == 1
+    assert buf.tables["online"].size == 4
 
 
 def test_rate_limiter_counts():

@@ -53,6 +53,7 @@ class ReplayBuffer:
         self.rng = np.random.default_rng(seed)
         self.inserted_chunks = 0
         self.eval_chunks = 0
+        self.refused_chunks = 0
         self.rebuilding = False
         """While True (reading the log at start), items wait and :meth:`restored` admits them."""
 
@@ -70,7 +71,15 @@ class ReplayBuffer:
         if chunk.meta.get("eval"):
             self.eval_chunks += 1
             return 0
-        items = self.index.add(chunk, source)
+        try:
+            items = self.index.add(chunk, source)
+        except ProtocolError as exc:
+            # Ingest refuses such chunks; one imported or written by an older version can
+            # still be in the log: it stays there (and counted), just not in a table.
+            self.refused_chunks += 1
+            if self.refused_chunks <= 10:
+                log.error("chunk %s kept out of the tables: %s", chunk.meta.get("chunk_id"), exc)
+            return 0
         self.inserted_chunks += 1
         offered = 0
         for name, part in items.items():
@@ -225,4 +234,5 @@ class ReplayBuffer:
             "open_episodes": len(self.index.episodes),
             "late_chunks": self.index.late_chunks,
             "eval_chunks": self.eval_chunks,
+            "refused_chunks": self.refused_chunks,
         }

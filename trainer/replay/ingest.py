@@ -42,6 +42,7 @@ from gateway.protocol import (
 )
 from gateway.trajectory import chunk_id, validate_chunk
 from trainer.replay.log import ReplayLog, run_chunks
+from trainer.replay.storage import Layout, check_arrays
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def demo_chunks(src: str | Path) -> list[Message]:
         if chunk.meta.get("eval") or chunk.meta.get("source", "online") != "online":
             continue
         validate_chunk(chunk)
+        check_arrays(chunk, None)
         out.append(as_demo(chunk, origin))
     return out
 
@@ -104,6 +106,8 @@ class Ingest(threading.Thread):
             "refused_rate_limited": 0,
         }
         self.storage_error: str | None = None
+        self.layout: Layout | None = None
+        """Dtypes and per-step shapes of the stored steps, from the first chunk."""
         self._logged: set[tuple[bytes, str]] = set()
         self._last_retention = time.monotonic()
 
@@ -158,6 +162,7 @@ class Ingest(threading.Thread):
                 send(self.sock, Message(MsgType.REPLY, seq=msg.seq, meta={"ok": True}), route=[route])
                 return
             validate_chunk(msg)
+            self.layout = check_arrays(msg, self.layout)
             if msg.meta.get("source", "online") != "online":
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST, "trajectory chunk: the ingest socket takes online chunks only"

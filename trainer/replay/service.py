@@ -165,6 +165,7 @@ class ReplayService:
             overloaded=self.overloaded,
             bind=_bind,
         )
+        self.ingest.layout = self.buffer.store.layout() or None
         self.sample_sock = self._router(addresses["sample"], keys)
         self.control_sock = self._router(addresses["control"], keys)
         self.addresses = {

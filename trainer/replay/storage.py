@@ -132,6 +132,43 @@ class OpenEpisode:
     held: dict[int, Message] = field(default_factory=dict)
 
 
+Layout = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def check_arrays(chunk: Message, layout: Layout | None) -> Layout:
+    """Refuse (``bad_request``) a chunk the step store could not take; return its layout.
+
+    ``final_obs/*`` must match ``obs/*`` key for key (one row), and every stored column
+    must have the dtype and per-step shape of the chunks stored before (``layout``).
+    """
+    cid = chunk.meta.get("chunk_id")
+    obs = unpack("obs", chunk.arrays)
+    final = unpack("final_obs", chunk.arrays)
+    if final:
+        for key, arr in obs.items():
+            got = final.get(key)
+            if got is None or got.shape != (1, *arr.shape[1:]) or got.dtype != arr.dtype:
+                have = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    f"trajectory chunk {cid}: final_obs/{key} is {have}, expected {arr.dtype}{[1, *arr.shape[1:]]}",
+                )
+        extra = sorted(set(final) - set(obs))
+        if extra:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"trajectory chunk {cid}: final_obs/{extra[0]} has no obs/{extra[0]}"
+            )
+    mine = {k: (v.dtype.name, tuple(v.shape[1:])) for k, v in step_arrays(chunk).items()}
+    if layout is not None and mine != layout:
+        diff = sorted(k for k in set(mine) | set(layout) if mine.get(k) != layout.get(k))
+        detail = "; ".join(f"{k}: stored {layout.get(k)}, got {mine.get(k)}" for k in diff)
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"trajectory chunk {cid}: arrays differ from the steps already stored ({detail})",
+        )
+    return mine
+
+
 def step_arrays(chunk: Message) -> dict[str, np.ndarray]:
     """The columns a chunk contributes to the store, one row per step."""
     arrays: dict[str, np.ndarray] = {f"obs/{k}": v for k, v in unpack("obs", chunk.arrays).items()}
