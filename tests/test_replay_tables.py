@@ -185,6 +185,22 @@ def test_mixing_tables_gives_exact_shares():
     assert (batch["table"] == 0).sum() == 128 and (batch["table"] == 1).sum() == 128
 
 
+def test_sample_requests_that_cannot_make_one_batch_are_refused():
+    from gateway.protocol import ProtocolError
+
+    buf = buffer(TableConfig(max_size=10), TableConfig(name="seq", item="sequence", max_size=10))
+    fill(buf, episode_chunks("a", 10))
+    for counts, match in (
+        ({"online": 0}, "batch size"),
+        ({"online": 1 << 30}, "batch size"),
+        ({"online": 2, "seq": 2}, "one batch needs one shape"),
+        ({"nope": 2}, "no table 'nope'"),
+        ({"online": -1}, ">= 0"),
+    ):
+        with pytest.raises(ProtocolError, match=match):
+            buf.sample(counts)
+
+
 def test_sampling_waits_for_min_size_and_the_ratio():
     buf = buffer(TableConfig(max_size=1000, min_size_to_sample=8, samples_per_insert=2.0, error_buffer=4.0))
     fill(buf, episode_chunks("a", 4, end="truncated"))

@@ -37,6 +37,10 @@ TRANSITION_FIELDS = ("action", "reward", "terminated", "truncated", "policy_vers
 ``step`` stay in the store and in sequence batches: fewer frames per batch)."""
 
 
+MAX_BATCH = 1 << 20
+"""Most items one sample request may ask for."""
+
+
 class Waiting(Exception):
     """A sample cannot be served now (empty table, rate limiter); the text says why."""
 
@@ -124,10 +128,16 @@ class ReplayBuffer:
                 )
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"sample: count for {name!r} must be an int >= 0")
-        kinds = {self.tables[name].config.item for name, n in counts.items() if n}
+        total = sum(counts.values())
+        if not 0 < total <= MAX_BATCH:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"sample: batch size must be 1..{MAX_BATCH}, got {total}"
+            )
+        kinds = {(self.tables[n].config.item, self.tables[n].width) for n, k in counts.items() if k}
         if len(kinds) > 1:
             raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"sample: tables hold different item kinds ({sorted(kinds)})"
+                ErrorCode.BAD_REQUEST,
+                f"sample: tables hold different items (kind, length) {sorted(kinds)}: one batch needs one shape",
             )
 
     def ready(self, counts: dict[str, int]) -> str | None:
