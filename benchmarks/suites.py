@@ -19,6 +19,7 @@ SUITES: dict[str, str] = {
     "inference": "benchmarks.inference:run",
     "ros2": "benchmarks.ros2_latency:run",
     "replay": "benchmarks.replay:run",
+    "trainer": "benchmarks.trainer:run",
 }
 """Suites in the order they run."""
 

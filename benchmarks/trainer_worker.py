@@ -1,0 +1,81 @@
+"""One trainer rank for ``benchmarks.trainer``: SAC updates fed by a real replay service.
+
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.trainer_worker ADDRESS UPDATES OUT.json
+
+Builds the reach task's SAC (the default 256x256 networks), shards it with FSDP2 like the
+trainer, samples its share of every 256-transition batch from the replay service at
+``ADDRESS`` (4 requests in flight, as the trainer does), and times ``UPDATES`` updates
+after a warm-up. Rank 0 writes updates/s, samples/s and the fraction of time spent
+waiting for data.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BATCH = 256
+
+
+def main() -> None:
+    address, updates, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    from gateway.inference.config import NetworkConfig
+    from gateway.registry import experiment_spec
+    from trainer.algos import make_algorithm
+    from trainer.distributed import init_distributed, shard, shutdown
+    from trainer.replay.client import ReplayClient
+
+    torch.set_num_threads(1)
+    world = init_distributed(timeout_s=120)
+    spec = experiment_spec("mujoco_reach", {})
+    algo = make_algorithm("sac", spec, NetworkConfig(), {}, device=world.device)
+    for name, module in algo.modules().items():
+        shard(module, world, algo.forward_methods().get(name, ()))
+    algo.build_optimizers()
+    client = ReplayClient(address, prefetch=4)
+    per_rank = BATCH // world.size
+    wait = compute = 0.0
+
+    def step() -> None:
+        nonlocal wait, compute
+        t0 = time.perf_counter()
+        arrays = client.sample(per_rank, tables="online", timeout_s=60)
+        batch = {
+            k: torch.from_numpy(np.ascontiguousarray(v))
+            for k, v in arrays.items()
+            if isinstance(v, np.ndarray) and v.dtype.kind in "biuf"
+        }
+        t1 = time.perf_counter()
+        algo.update(batch)
+        wait += t1 - t0
+        compute += time.perf_counter() - t1
+
+    for _ in range(10):
+        step()
+    wait = compute = 0.0
+    start = time.perf_counter()
+    for _ in range(updates):
+        step()
+    elapsed = time.perf_counter() - start
+    client.close()
+    if world.is_main:
+        out.write_text(
+            json.dumps(
+                {
+                    "world": world.size,
+                    "updates_per_s": updates / elapsed,
+                    "samples_per_s": updates * BATCH / elapsed,
+                    "data_wait_frac": wait / (wait + compute),
+                }
+            )
+        )
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
