@@ -235,12 +235,7 @@ class Batcher:
             for change in changes:
                 change()
             if batch:
-                try:
-                    self._serve(batch)
-                finally:
-                    with self.cond:
-                        for request in batch:
-                            self.arrivals.answered(request.route)
+                self._serve(batch)
 
     def _take_changes(self) -> list[Callable[[], None]]:
         """Swap in staged weights or roll back (lock held); the answers are sent after."""
@@ -302,6 +297,9 @@ class Batcher:
         while self.queue and (not batch or rows + self.queue[0].rows <= self.max_batch):
             request = self.queue.popleft()
             self.queued_rows -= request.rows
+            # Counted as answered now: its answer may reach the peer, and the peer's next
+            # request arrive, before this thread gets back here.
+            self.arrivals.answered(request.route)
             batch.append(request)
             rows += request.rows
         return batch
