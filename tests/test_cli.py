@@ -39,7 +39,7 @@ def test_up_runs_to_its_budget_and_writes_the_run_folder(tmp_path):
     run = tmp_path / "run"
     out = loopgate(
         "up",
-        "configs/reach_sim.yaml",
+        "configs/collect_pd.yaml",
         "--run-dir",
         str(run),
         "--max-env-steps",
@@ -76,7 +76,7 @@ def test_up_restarts_a_crashed_worker_and_loses_nothing(tmp_path):
             "-m",
             "gateway",
             "up",
-            "configs/reach_sim.yaml",
+            "configs/collect_pd.yaml",
             "--run-dir",
             str(run),
             "--max-env-steps",
@@ -125,7 +125,7 @@ def test_ctrl_c_drains_and_still_writes_a_summary(tmp_path):
             "-m",
             "gateway",
             "up",
-            "configs/reach_sim.yaml",
+            "configs/collect_pd.yaml",
             "--run-dir",
             str(run),
             "--set",
@@ -170,7 +170,7 @@ def test_ctrl_c_drains_and_still_writes_a_summary(tmp_path):
     ],
 )
 def test_invalid_config_fails_before_anything_starts(tmp_path, args, message):
-    out = loopgate("up", "configs/reach_sim.yaml", "--run-dir", str(tmp_path / "run"), *args, timeout=60)
+    out = loopgate("up", "configs/collect_pd.yaml", "--run-dir", str(tmp_path / "run"), *args, timeout=60)
     assert out.returncode == 2
     assert message in out.stderr
     assert not (tmp_path / "run" / "logs").exists()
@@ -207,7 +207,7 @@ def test_up_over_ipc_sockets(tmp_path):
     run = tmp_path / "run"
     out = loopgate(
         "up",
-        "configs/reach_sim.yaml",
+        "configs/collect_pd.yaml",
         "--run-dir",
         str(run),
         "--max-env-steps",

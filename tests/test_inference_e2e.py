@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 def test_up_with_inference_servers_runs_the_demo_config_end_to_end(tmp_path):
     run = tmp_path / "run"
     out = loopgate(
-        "up", "configs/reach_sim.yaml", "--run-dir", str(run), "--max-env-steps", "1200",
+        "up", "configs/collect_pd.yaml", "--run-dir", str(run), "--max-env-steps", "1200",
         "--set", "policy.kind=inference", "--set", "inference.enabled=true",
         "--set", "inference.network.hidden_sizes=[64,64]", "--set", "env.num_envs=4",
     )  # fmt: skip
@@ -38,12 +38,12 @@ def test_up_with_inference_servers_runs_the_demo_config_end_to_end(tmp_path):
 
 def test_policy_inference_without_inference_enabled_fails_before_anything_starts(tmp_path):
     run = tmp_path / "run"
-    out = loopgate("up", "configs/reach_sim.yaml", "--run-dir", str(run), "--set", "policy.kind=inference")
+    out = loopgate("up", "configs/collect_pd.yaml", "--run-dir", str(run), "--set", "policy.kind=inference")
     assert out.returncode == 2
     assert "inference.enabled" in out.stderr
     assert not (run / "logs").exists()
     small = loopgate(
-        "up", "configs/reach_sim.yaml", "--run-dir", str(tmp_path / "r2"), "--set", "policy.kind=inference",
+        "up", "configs/collect_pd.yaml", "--run-dir", str(tmp_path / "r2"), "--set", "policy.kind=inference",
         "--set", "inference.enabled=true", "--set", "env.options.camera=true",
         "--set", "env.options.image_width=8", "--set", "env.options.image_height=8",
     )  # fmt: skip

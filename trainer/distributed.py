@@ -17,6 +17,7 @@ import datetime
 import logging
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+# FSDP2 warns when a sharded module returns a view (the actor reshapes its action);
+# loopgate's algorithms never modify a module's output in place, which is the hazard.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
 @dataclass(frozen=True)
