@@ -90,6 +90,9 @@ class Stats:
                 "infer_p50_us": round(self.infer_us.percentile(50), 1),
                 "infer_p99_us": round(self.infer_us.percentile(99), 1),
                 "swap_ms": self.swap_ms.summary(),
+                # Whole histograms, so that replicas' figures merge exactly.
+                "latency_us": self.latency_us.to_dict(),
+                "infer_us": self.infer_us.to_dict(),
             }
 
 
