@@ -245,7 +245,9 @@ def test_serving_goes_on_while_versions_are_swapped(server):
 
 
 def test_metrics_stream_has_counters_histograms_and_version(server):
-    from gateway.metrics import read_metrics
+    from gateway.metrics import Histogram, read_metrics
+
+    assert server.ask(server.dealer(), obs_request(2, seq=40)).type is MsgType.ACTION
 
     def records() -> list[dict[str, Any]]:
         return [r for r in read_metrics(server.run_dir / "metrics.jsonl") if r.get("requests")]
@@ -254,6 +256,7 @@ def test_metrics_stream_has_counters_histograms_and_version(server):
     assert last["service"] == "inference-0"
     for key in ("version", "queue_rows", "batches", "rows", "latency_p50_us", "latency_p99_us", "batch_rows"):
         assert key in last, key
+    assert 0 < Histogram.from_dict(last["latency_us"]).n <= last["requests"]
 
 
 def test_the_torch_backend_serves_and_takes_both_weight_formats(tmp_path):
