@@ -29,6 +29,9 @@ import numpy as np
 import numpy.typing as npt
 
 logger = logging.getLogger(__name__)
+# PyOpenGL (loaded by MuJoCo's renderer) announces at INFO that its optional C
+# accelerator is missing, in every process; that is not news to anyone.
+logging.getLogger("OpenGL.acceleratesupport").setLevel(logging.WARNING)
 
 INSTALL_HINT = (
     "install EGL with Mesa (`apt-get install libegl1 libgl1-mesa-dri`) or OSMesa "
