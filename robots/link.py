@@ -109,7 +109,7 @@ class RobotLink:
         return self.histories[self.primary].mean_interval()
 
     def publish(self, values: npt.NDArray[np.float64], period: float) -> None:
-        data = [float(v) for v in values]
+        data = values.tolist()
         if self._trajectory:
             msg = JointTrajectory()
             msg.header.stamp = time_msg(time.time())

@@ -232,9 +232,10 @@ class Ros2Backend(EpisodeBackend):
             if self.latch.engaged:
                 self.stats.add("refused_estop", self.num_envs)
                 return np.zeros(self.num_envs, dtype=bool)
-            clipped = np.clip(action, -1.0, 1.0)
-            action_hit = np.any(clipped != action, axis=-1)
-            self.limits.counts.add("action", int(action_hit.sum()), " (action outside [-1, 1])")
+            clipped = np.minimum(np.maximum(action, -1.0), 1.0)
+            action_hit = (clipped != action).any(axis=-1)
+            if action_hit.any():
+                self.limits.counts.add("action", int(action_hit.sum()), " (action outside [-1, 1])")
             target = self.task.apply_action(self._ctrl, clipped)
             command, hit = self.limits.position(target, self._ctrl)
             out = command
@@ -297,7 +298,7 @@ class Ros2Backend(EpisodeBackend):
             merged = {k: v for e in chosen for k, v in e.values.items()}
             for key in self._keys:
                 values[key].append(merged[key])
-        obs = self.task.observe(np.stack(values["joint_pos"]), np.stack(values["joint_vel"]), self._targets)
+        obs = self.task.observe(np.array(values["joint_pos"]), np.array(values["joint_vel"]), self._targets)
         for key in self._keys:
             if key == IMAGE_KEY:
                 shape = (self.config.image_height, self.config.image_width)
@@ -308,7 +309,7 @@ class Ros2Backend(EpisodeBackend):
                     ]
                 )
             elif key not in obs:
-                obs[key] = np.stack(values[key]).astype(self.spec.observation[key].dtype)
+                obs[key] = np.array(values[key], dtype=self.spec.observation[key].dtype)
         stale = age > self.config.max_age_s
         misaligned = skew > self.config.max_skew_s
         self.stats.add("stale", int(stale.sum()))
@@ -360,7 +361,7 @@ class Ros2Backend(EpisodeBackend):
             for key, value in fresh.items():
                 obs[key][finished] = value[finished]
         self.stats.maybe_log("ros2 control loop", self.counters)
-        return obs, reward.astype(np.float32), terminated, truncated, info
+        return obs, np.asarray(reward, dtype=np.float32), terminated, truncated, info
 
     def _estop_flags(self) -> npt.NDArray[np.bool_]:
         return np.full(self.num_envs, self.latch.engaged)

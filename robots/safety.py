@@ -124,18 +124,22 @@ class CommandLimits:
         self, target: npt.ArrayLike, previous: npt.ArrayLike
     ) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
         """``target`` within the position limits and at most ``max_change`` from ``previous``."""
+        # ufuncs rather than np.clip: this runs at every control step on tiny arrays,
+        # where np.clip's Python wrapper costs more than the arithmetic.
         target = np.asarray(target, dtype=float)
         previous = np.asarray(previous, dtype=float)
-        in_range = np.clip(target, self.low, self.high)
-        pos_hit = np.any(in_range != target, axis=-1)
-        step = np.clip(in_range - previous, -self.max_change, self.max_change)
-        step_hit = np.any(np.abs(in_range - previous) > self.max_change + 1e-12, axis=-1)
+        in_range = np.minimum(np.maximum(target, self.low), self.high)
+        wanted = in_range - previous
         # Moving from ``previous`` toward an in-range target: a command that starts
         # beyond a limit is walked back in, one step at a time, never further out.
-        command = previous + step
-        self.counts.add("position", int(pos_hit.sum()))
-        self.counts.add("step", int(step_hit.sum()), f" (max {self.max_change:.3f} rad per step)")
-        return command, pos_hit | step_hit
+        step = np.minimum(np.maximum(wanted, -self.max_change), self.max_change)
+        pos_hit = (in_range != target).any(axis=-1)
+        step_hit = (step != wanted).any(axis=-1)
+        if pos_hit.any():
+            self.counts.add("position", int(pos_hit.sum()))
+        if step_hit.any():
+            self.counts.add("step", int(step_hit.sum()), f" (max {self.max_change:.3f} rad per step)")
+        return previous + step, pos_hit | step_hit
 
     def velocity(
         self, velocity: npt.ArrayLike, position: npt.ArrayLike
