@@ -3,8 +3,10 @@
 Every measurement uses one model: the reach actor with an MLP of ``MODEL_HIDDEN``
 (exported once to ONNX; every server loads that file). Servers run on the first
 allowed CPU, their clients on the second (:func:`~benchmarks.procs.split_placement`);
-every client is its own process running a closed loop (send one request, wait for its
-answer) and only requests inside one shared window count.
+clients run closed loops (send one request, wait for its answer), each over its own
+connection, all in one asyncio load-generating process (many client processes would
+measure the scheduling of one shared core more than the servers); only requests inside
+one shared window count.
 
 - **batch size** (``.b1 .b8 .b64 .b256``, one client): rows per second and latency of
   requests of that many rows, for both backends (``inference.*``: onnxruntime,
@@ -116,14 +118,14 @@ def start_peer(procs: Processes, tmp: Path, kind: str, model: Path, cpus: set[in
 
 def drive(procs: Processes, tmp: Path, kind: str, address: str, batch: int, clients: int,
           window_s: float, cpus: set[int]) -> dict[str, Any]:  # fmt: skip
-    """``clients`` closed-loop client processes; their merged figures over one window."""
+    """``clients`` closed-loop clients (one load-generating process); their figures over one window."""
     tag = f"{kind}-b{batch}-c{clients}-{time.monotonic_ns()}"
-    outs = [tmp / f"{tag}-{i}.npz" for i in range(clients)]
+    outs = [tmp / f"{tag}.npz"]
     go = tmp / f"{tag}.go"
-    for i, out in enumerate(outs):
-        procs.python(f"{tag}-{i}", "benchmarks.inference_peers", "client", "--kind", kind, "--connect", address,
-                     "--batch", str(batch), "--go", str(go), "--out", str(out), "--seed", str(i), cpus=cpus)  # fmt: skip
-    names = [f"{tag}-{i}" for i in range(clients)]
+    procs.python(tag, "benchmarks.inference_peers", "client", "--kind", kind, "--connect", address,
+                 "--batch", str(batch), "--clients", str(clients), "--go", str(go), "--out", str(outs[0]),
+                 cpus=cpus)  # fmt: skip
+    names = [tag]
     wait_until(lambda: all(Path(str(o) + ".ready").exists() or procs.check_alive(n) for o, n in zip(outs, names)),
                120, f"{clients} {kind} clients")  # fmt: skip
     start = time.monotonic() + 0.3  # warm-up: every client is already sending by then

@@ -2,12 +2,15 @@
 
 Roles, each ``python -m benchmarks.inference_peers ROLE ...``:
 
-- ``client``: one closed-loop client (``--kind loopgate|websocket|grpc``) sending
-  batches of ``--batch`` reach observations and waiting for each answer. It connects,
-  then waits for the ``--go`` file (written once every client is ready), warms up, and
-  keeps the requests that start and finish inside the window the file names
-  (``time.monotonic`` is one clock for every process on the machine). It writes
-  ``t_send`` (s) and ``latency_us`` of those requests and its row count to ``--out``.
+- ``client``: ``--clients`` closed-loop clients (``--kind loopgate|websocket|grpc``),
+  each with its own connection, in one asyncio event loop (one load-generating
+  process, as wrk or ghz do, so that on a small machine the figures are the servers'
+  and not the scheduling of many client processes). Each sends batches of
+  ``--batch`` reach observations and waits for each answer. It connects, then waits
+  for the ``--go`` file (written once the clients are ready), warms up, and keeps the
+  requests that start and finish inside the window the file names (``time.monotonic``
+  is one clock for every process on the machine). It writes ``t_send`` (s) and
+  ``latency_us`` of those requests and the row count to ``--out``.
 - ``websocket-server``: the same ONNX model behind a minimal websocket + msgpack server
   in the style of OpenPI's policy server: an asyncio ``websockets`` server that unpacks
   each message (msgpack with numpy arrays as ``__ndarray__`` maps), runs the policy on
@@ -25,6 +28,7 @@ These peers are benchmark baselines only; nothing in the product imports them::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import sys
@@ -134,53 +138,52 @@ def reach_obs(batch: int, seed: int) -> dict[str, np.ndarray]:
     return {k: rng.standard_normal((batch, *a.shape)).astype(a.dtype) for k, a in spec.observation.items()}
 
 
-def _loopgate_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
+async def _loopgate_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
     import zmq
+    import zmq.asyncio
 
-    from gateway.protocol import Message, MsgType, pack, recv, send
+    from gateway.protocol import Message, MsgType, decode, encode, pack
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
     sock.connect(address)
     seq = [0]
 
-    def call() -> None:
+    async def call() -> None:
         seq[0] += 1
-        send(
-            sock,
-            Message(MsgType.OBSERVATION, seq=seq[0], meta={"deadline_ms": 30_000.0}, arrays=pack("obs", obs)),
+        msg = Message(
+            MsgType.OBSERVATION, seq=seq[0], meta={"deadline_ms": 30_000.0}, arrays=pack("obs", obs)
         )
-        if not sock.poll(30_000):
-            raise TimeoutError(f"no answer from {address} within 30 s")
-        reply = recv(sock)
+        await sock.send_multipart(encode(msg), copy=False)
+        reply = decode(await asyncio.wait_for(sock.recv_multipart(copy=False), 30))
         if reply.type is not MsgType.ACTION:
             raise RuntimeError(f"server answered {reply.meta}")
 
     return call
 
 
-def _websocket_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
-    from websockets.sync.client import connect
+async def _websocket_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
+    from websockets.asyncio.client import connect
 
-    ws = connect(address, compression=None, max_size=None, open_timeout=30)
-    unpackb(ws.recv(timeout=30))  # metadata
+    ws = await connect(address, compression=None, max_size=None, open_timeout=30)
+    unpackb(await asyncio.wait_for(ws.recv(), 30))  # metadata
 
-    def call() -> None:
-        ws.send(packb(obs))
-        unpackb(ws.recv(timeout=30))["action"]
+    async def call() -> None:
+        await ws.send(packb(obs))
+        unpackb(await asyncio.wait_for(ws.recv(), 30))["action"]
 
     return call
 
 
-def _grpc_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
+async def _grpc_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
     import grpc
 
-    channel = grpc.insecure_channel(address)
-    grpc.channel_ready_future(channel).result(timeout=30)
+    channel = grpc.aio.insecure_channel(address)  # one connection per client, like the others
+    await asyncio.wait_for(channel.channel_ready(), 30)
     method = channel.unary_unary("/loopgate.Policy/Infer")
 
-    def call() -> None:
-        unpackb(method(packb(obs), timeout=30))["action"]
+    async def call() -> None:
+        unpackb(await method(packb(obs), timeout=30))["action"]
 
     return call
 
@@ -188,10 +191,25 @@ def _grpc_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
 CALLERS = {"loopgate": _loopgate_caller, "websocket": _websocket_caller, "grpc": _grpc_caller}
 
 
-def run_client(args: argparse.Namespace) -> int:
-    obs = reach_obs(args.batch, args.seed)
-    call = CALLERS[args.kind](args.connect, obs)
-    call()  # connected and served once
+async def _closed_loop(call: Any, window: dict[str, float], sent: list[float], latency: list[float]) -> None:
+    start, stop = float(window["start"]), float(window["stop"])
+    while True:
+        t0 = time.monotonic()
+        if t0 >= stop:
+            return
+        await call()
+        t1 = time.monotonic()
+        if t0 >= start and t1 <= stop:
+            sent.append(t0)
+            latency.append((t1 - t0) * 1e6)
+
+
+async def _run_clients(args: argparse.Namespace) -> int:
+    calls = []
+    for i in range(args.clients):
+        call = await CALLERS[args.kind](args.connect, reach_obs(args.batch, args.seed + i))
+        await call()  # connected and served once
+        calls.append(call)
     Path(args.out + ".ready").write_text("ready")
     go = Path(args.go)
     give_up = time.monotonic() + 120
@@ -199,22 +217,17 @@ def run_client(args: argparse.Namespace) -> int:
         if time.monotonic() > give_up:
             log.error("no go file %s within 120 s", go)
             return 1
-        time.sleep(0.005)
+        await asyncio.sleep(0.005)
     window = json.loads(go.read_text())
-    start, stop = float(window["start"]), float(window["stop"])
     sent: list[float] = []
     latency: list[float] = []
-    while True:
-        t0 = time.monotonic()
-        if t0 >= stop:
-            break
-        call()
-        t1 = time.monotonic()
-        if t0 >= start and t1 <= stop:
-            sent.append(t0)
-            latency.append((t1 - t0) * 1e6)
+    await asyncio.gather(*(_closed_loop(call, window, sent, latency) for call in calls))
     np.savez(args.out, t_send=np.asarray(sent), latency_us=np.asarray(latency), rows=len(sent) * args.batch)
     return 0
+
+
+def run_client(args: argparse.Namespace) -> int:
+    return asyncio.run(_run_clients(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,10 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--ready", required=True, help="file written once serving")
         s.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
         s.add_argument("--workers", type=int, default=16, help="gRPC handler threads")
-    c = sub.add_parser("client", help="one closed-loop client")
+    c = sub.add_parser("client", help="closed-loop clients (one connection each) in one event loop")
     c.add_argument("--kind", choices=sorted(CALLERS), required=True)
     c.add_argument("--connect", required=True)
     c.add_argument("--batch", type=int, required=True)
+    c.add_argument("--clients", type=int, default=1, help="concurrent clients, each with its own connection")
     c.add_argument("--go", required=True, help="file with the measuring window, written by the suite")
     c.add_argument("--out", required=True, help=".npz for the measured requests")
     c.add_argument("--seed", type=int, default=0)
