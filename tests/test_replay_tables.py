@@ -128,6 +128,16 @@ def test_nstep_items_sum_discounted_rewards_and_bootstrap():
             assert batch["next_obs/q"][i, 0] == step + 3
 
 
+def test_transitions_carry_the_tables_discount_and_zero_after_termination():
+    buf = buffer(TableConfig(item="transition", gamma=0.9, max_size=100))
+    fill(buf, episode_chunks("a", 10, end="terminated"))
+    batch = buf.sample({"online": 200})
+    last = batch["terminated"].astype(bool)
+    assert last.any() and (~last).any()
+    assert np.all(batch["discount"][last] == 0)
+    assert np.allclose(batch["discount"][~last], 0.9)
+
+
 def test_sequences_are_fixed_length_slices():
     buf = buffer(TableConfig(item="sequence", sequence_length=4, sequence_stride=2, max_size=100))
     fill(buf, episode_chunks("a", 11))

@@ -31,7 +31,13 @@ def config(tmp_path: Path, **trainer) -> Path:
         "replay": {
             "enabled": True,
             "tables": [
-                {"name": "online", "min_size_to_sample": 500, "samples_per_insert": 32, "error_buffer": 20000}
+                {
+                    "name": "online",
+                    "gamma": 0.95,
+                    "min_size_to_sample": 500,
+                    "samples_per_insert": 32,
+                    "error_buffer": 20000,
+                }
             ],
         },
         "trainer": {

@@ -74,4 +74,14 @@ def preflight(cfg: ExperimentConfig, spec: Any) -> None:
             f"trainer.algorithm: unknown algorithm {tc.algorithm!r}; known: {', '.join(sorted(ALGORITHMS))}"
         )
     module, _, attr = ALGORITHMS[tc.algorithm].partition(":")
-    build(getattr(importlib.import_module(module), attr).Config, dict(tc.options), "trainer.options")
+    options = build(
+        getattr(importlib.import_module(module), attr).Config, dict(tc.options), "trainer.options"
+    )
+    gamma = getattr(options, "gamma", None)
+    for i, table in enumerate(cfg.replay.tables):
+        # Batches carry the table's discount; a different trainer gamma would be ignored.
+        if gamma is not None and table.name in tc.tables and abs(table.gamma - gamma) > 1e-9:
+            raise ConfigError(
+                f"replay.tables[{i}].gamma ({table.gamma}) differs from trainer.options.gamma ({gamma}): "
+                "the discount travels with the sampled items, so set them equal"
+            )

@@ -1,7 +1,9 @@
 """Soft actor-critic (Haarnoja et al. 2018) with twin critics and a learned temperature.
 
 Off-policy: batches of transitions from the replay service (``obs/*``, ``action``,
-``reward``, ``next_obs/*``, ``terminated``, and ``discount`` when items are n-step).
+``reward``, ``next_obs/*``, ``terminated`` and ``discount``, the whole bootstrap factor:
+the table's gamma, gamma^k for n-step items, 0 after termination). ``gamma`` here is used
+only for batches without ``discount``; the trainer's preflight makes the two agree.
 Sampling from a demonstrations table and an online table with fixed ratios gives RLPD-
 style RL from demonstrations with the same update.
 """

@@ -41,7 +41,7 @@ class TableConfig:
     n_step: int = 3
     """Steps summed into one ``nstep`` item."""
     gamma: float = 0.99
-    """Discount of ``nstep`` returns (``discount`` = gamma^k, 0 after termination)."""
+    """Discount per step: items carry ``discount`` = gamma (transitions) or gamma^k (n-step), 0 after termination."""
     sequence_length: int = 8
     """Steps in one ``sequence`` item."""
     sequence_stride: int = 1

@@ -10,8 +10,9 @@ benchmarks and tests use it directly::
     buffer.update_priorities(batch["key"], new_priorities)
 
 A batch of transitions holds ``obs/<key>``, ``action``, ``reward``, ``next_obs/<key>``,
-``terminated``, ``truncated``, ``discount`` (``gamma ** k`` for n-step items, 1 for
-transitions, 0 after termination), ``policy_version``, ``key`` (for priority updates),
+``terminated``, ``truncated``, ``discount`` (the whole bootstrap factor: ``gamma ** k``
+for n-step items, ``gamma`` for transitions, 0 after termination; ``gamma`` is the
+table's), ``policy_version``, ``key`` (for priority updates),
 ``probability`` and ``table`` (index into the tables asked for). Sequence items have a
 time axis and every stored column: ``obs/<key>`` [B, L, ...], ``action``, ``reward``,
 ``success``, ``step``, ...
@@ -193,7 +194,7 @@ class ReplayBuffer:
                 out[key] = store.take(key, rows)
             for key in obs_keys:
                 out["next_" + key] = store.take(key, boot)
-            out["discount"] = np.where(out["terminated"], 0.0, 1.0).astype(np.float32)
+            out["discount"] = np.where(out["terminated"], 0.0, cfg.gamma).astype(np.float32)
             return out
         rows = table.rows[slots]  # [B, n], -1 beyond the end of the episode
         valid = rows >= 0
