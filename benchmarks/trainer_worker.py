@@ -27,15 +27,14 @@ def main() -> None:
     from gateway.inference.config import NetworkConfig
     from gateway.registry import experiment_spec
     from trainer.algos import make_algorithm
-    from trainer.distributed import init_distributed, shard, shutdown
+    from trainer.distributed import init_distributed, shutdown
     from trainer.replay.client import ReplayClient
 
     torch.set_num_threads(1)
     world = init_distributed(timeout_s=120)
     spec = experiment_spec("mujoco_reach", {})
     algo = make_algorithm("sac", spec, NetworkConfig(), {}, device=world.device)
-    for name, module in algo.modules().items():
-        shard(module, world, algo.forward_methods().get(name, ()))
+    algo.shard(world)
     algo.build_optimizers()
     client = ReplayClient(address, prefetch=4)
     per_rank = BATCH // world.size

@@ -51,12 +51,12 @@ def test_sac_critics_learn_a_terminal_reward():
 def test_non_finite_loss_skips_the_update_and_leaves_weights_alone():
     algo = make_algorithm("sac", SPEC, NET, {}, device=torch.device("cpu"))
     algo.build_optimizers()
-    before = params(algo.actor) + params(algo.critic)
+    before = params(algo.nets)
     bad = batch()
     bad["reward"][3] = float("nan")
     assert algo.update(bad) == {"skipped": 1.0}
     assert algo.skipped_updates == 1
-    after = params(algo.actor) + params(algo.critic)
+    after = params(algo.nets)
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
     assert algo.update(batch())["skipped"] == 0.0  # and training goes on
 

@@ -38,7 +38,7 @@ from gateway.metrics import MetricsWriter
 from gateway.protocol import RemoteError, Timeout
 from trainer import checkpoint
 from trainer.algos import Algorithm, make_algorithm
-from trainer.distributed import World, shard
+from trainer.distributed import World
 from trainer.publish import Publisher, full_state_dict
 
 log = logging.getLogger(__name__)
@@ -72,9 +72,7 @@ class Trainer:
             for module in self.algo.modules().values():
                 for p in module.parameters():
                     dist.broadcast(p.data, src=0)
-        methods = self.algo.forward_methods()
-        for name, module in self.algo.modules().items():
-            shard(module, world, methods.get(name, ()))
+        self.algo.shard(world)
         self.algo.build_optimizers()
         self.ckpt_dir = run_dir / "checkpoints"
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)

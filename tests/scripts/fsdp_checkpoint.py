@@ -20,7 +20,7 @@ from gateway.inference.config import NetworkConfig
 from sim_bridges.reach import ReachTask
 from trainer import checkpoint
 from trainer.algos import make_algorithm
-from trainer.distributed import init_distributed, shard, shutdown
+from trainer.distributed import init_distributed, shutdown
 from trainer.publish import full_state_dict
 
 
@@ -31,8 +31,7 @@ def main() -> None:
     spec = ReachTask().spec(max_episode_steps=50)
     torch.manual_seed(0)
     algo = make_algorithm("sac", spec, NetworkConfig(hidden_sizes=(32, 32)), {}, device=world.device)
-    for name, module in algo.modules().items():
-        shard(module, world, algo.forward_methods().get(name, ()))
+    algo.shard(world)
     algo.build_optimizers()
     counters = {"updates": 0, "version": 0, "samples": 0}
     if mode == "save":
@@ -54,7 +53,8 @@ def main() -> None:
     else:
         counters = checkpoint.load(algo, checkpoint.latest(directory))
     actor = full_state_dict(algo.actor)
-    critic = full_state_dict(algo.critic)
+    everything = full_state_dict(algo.nets)
+    critic = {k: v for k, v in everything.items() if k.startswith("critic.")}
     if world.is_main:
         out.write_text(
             json.dumps(
@@ -63,7 +63,7 @@ def main() -> None:
                     "counters": counters,
                     "actor": {k: float(v.astype("float64").sum()) for k, v in actor.items()},
                     "critic": float(sum(v.astype("float64").sum() for v in critic.values())),
-                    "log_alpha": float(algo.log_alpha.detach()),
+                    "log_alpha": float(everything["log_alpha"][0]),
                 }
             )
         )

@@ -65,9 +65,17 @@ class Algorithm(abc.ABC):
     def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One gradient step on ``batch``; non-finite losses skip the step (``skipped``: 1)."""
 
-    def forward_methods(self) -> dict[str, tuple[str, ...]]:
-        """Per module, methods besides ``forward`` that training calls (FSDP must gather for them)."""
-        return {"actor": ("sample", "distribution")}
+    def shard(self, world: Any) -> None:
+        """Wrap the networks with FSDP2 (before :meth:`build_optimizers`).
+
+        The default shards each of :meth:`modules` on its own, registering the actor's
+        ``sample`` and ``distribution`` as entry points; algorithms whose update is one
+        forward of one module (SAC) do better with a single unit.
+        """
+        from trainer.distributed import shard
+
+        for name, module in self.modules().items():
+            shard(module, world, ("sample", "distribution") if name == "actor" else ())
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         """Tensors besides modules and optimizers to checkpoint (e.g. SAC's temperature)."""
