@@ -297,3 +297,16 @@ def test_the_plan_starts_nothing_when_disabled_and_one_service_when_enabled(tmp_
     assert service.name == "replay" and service.argv[1:3] == ["-m", "trainer.replay"]
     assert set(run.endpoints["replay"]) == {"ingest", "sample", "control"}
     assert all(a.startswith("tcp://127.0.0.1:") for a in run.endpoints["replay"].values())
+
+
+def test_releasing_rate_limits_admits_waiting_items_once_nobody_samples():
+    table = TableConfig(
+        max_size=1000, min_size_to_sample=4, samples_per_insert=4.0, error_buffer=8.0, max_pending=5
+    )
+    buf = buffer(table)
+    fill(buf, episode_chunks("a", 40))
+    assert buf.pending() > 5 and buf.overloaded()  # the ratio holds inserts back
+    admitted = buf.release_rate_limits()
+    assert admitted > 0 and buf.pending() == 0 and not buf.overloaded()
+    fill(buf, episode_chunks("b", 40))
+    assert buf.pending() == 0

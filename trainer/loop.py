@@ -61,6 +61,7 @@ class Counters:
 class Trainer:
     def __init__(self, cfg: ExperimentConfig, run_dir: Path, endpoints: dict[str, Any], world: World) -> None:
         self.cfg, self.tc, self.run_dir, self.world = cfg, cfg.trainer, run_dir, world
+        self.endpoints = endpoints
         self.spec = EnvSpec.from_dict(json.loads((run_dir / "spec.json").read_text()))
         torch.set_num_threads(self.tc.threads)
         torch.manual_seed(self.tc.seed + world.rank)
@@ -275,7 +276,23 @@ class Trainer:
         log.info("trainer stopping: %s", self.stop_reason or "asked to")
         self.publish()
         checkpoint.save(self.algo, self.ckpt_dir, self.c.saved(), is_main=self.world.is_main)
+        self.release_replay()
         return 0
+
+    def release_replay(self) -> None:
+        """Nothing samples any more: collection (the final evaluation) must not wait for the
+        replay tables' update-to-data ratio."""
+        if not self.world.is_main:
+            return
+        from gateway.supervisor import ControlClient
+
+        client = ControlClient(self.endpoints["replay"]["control"])
+        try:
+            client.request("release_rate_limits", timeout_s=10.0)
+        except (Timeout, RemoteError) as exc:
+            log.warning("could not release the replay rate limits: %s", exc)
+        finally:
+            client.close()
 
     def sync_round(self) -> None:
         """Collect ``collect_steps`` steps, take ``updates_per_round`` updates, publish."""

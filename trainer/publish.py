@@ -4,7 +4,7 @@ Every ``publish_every`` updates all ranks gather the actor's full state dict ont
 (DCP's ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``: one
 all-gather, the only part that holds training up); rank 0 checks every value is finite
 and hands the arrays to a background thread, which sends them as bucketed WEIGHTS
-messages (and an ONNX export when an onnxruntime backend serves) and tells the gateway
+messages (an ONNX export instead when an onnxruntime backend serves) and tells the gateway
 the trainer's version, for policy-lag accounting. A publication still in flight when
 the next one is due is superseded by the newer one, never queued behind it.
 
@@ -93,9 +93,11 @@ class Publisher:
                     # not when it reached the servers.
                     self.control.request("trainer_version", timeout_s=5.0, version=version, t=created)
                 if self.publisher is not None:
-                    results = self.publisher.publish(arrays, version, check=False)
+                    # onnxruntime servers get the ONNX export of this version, others the tensors.
                     if self.onnx:
-                        results += self.publisher.publish_onnx(self._export(arrays), version, check=False)
+                        results = self.publisher.publish_onnx(self._export(arrays), version, check=False)
+                    else:
+                        results = self.publisher.publish(arrays, version, check=False)
                     failed = [r for r in results if not r.get("ok")]
                     for r in failed:
                         log.warning(

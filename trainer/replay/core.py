@@ -97,6 +97,15 @@ class ReplayBuffer:
     def admit(self) -> int:
         return sum(t.admit(self.store.first) for t in self._by_index)
 
+    def release_rate_limits(self) -> int:
+        """Lift every table's samples-per-insert limit and admit what waits; return items admitted.
+
+        For the end of training: nothing samples any more, and collection (evaluation
+        episodes, for one) must not wait for a ratio no one keeps."""
+        for table in self._by_index:
+            table.limiter.release()
+        return self.admit()
+
     def pending(self) -> int:
         """Most items waiting for any one table's rate limiter."""
         return max((t.pending_items for t in self._by_index), default=0)

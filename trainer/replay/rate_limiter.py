@@ -53,6 +53,11 @@ class RateLimiter:
         room = int((self.max_diff - self.diff()) // self.spi) if self.spi else want
         return max(0, min(want, max(room, free_below_min)))
 
+    def release(self) -> None:
+        """Stop holding inserts back (no one samples any more, e.g. the trainer finished)."""
+        self.spi = None
+        self.min_diff, self.max_diff = float("-inf"), float("inf")
+
     def can_sample(self, n: int = 1) -> bool:
         if self.inserts < self.min_size:
             return False

@@ -308,8 +308,13 @@ class ReplayService:
                     ErrorCode.BAD_REQUEST, "update_priorities needs arrays 'key' and 'priority'"
                 )
             return {"applied": self.buffer.update_priorities(keys, prios)}
+        if cmd == "release_rate_limits":
+            admitted = self.buffer.release_rate_limits()
+            log.info("rate limits released; %d waiting item(s) admitted", admitted)
+            return {"released": True, "admitted": admitted}
         raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"unknown command {cmd!r} (status, update_priorities, import)"
+            ErrorCode.BAD_REQUEST,
+            f"unknown command {cmd!r} (status, update_priorities, release_rate_limits, import)",
         )
 
     def on_control_socket(self) -> None:
