@@ -102,7 +102,13 @@ def test_unknown_backend_is_a_clear_error_naming_the_field(procs, tmp_path):
 
 
 def test_worker_killed_mid_episode_leaves_interrupted_episodes_with_their_steps(gateway_run):
-    run = gateway_run()
+    # Episodes far longer than the steps before the kill, so the kill is surely mid-episode.
+    run = gateway_run(
+        {
+            "env": {"backend": "mujoco_reach", "num_envs": 4, "options": {"max_episode_steps": 2000}},
+            "policy": {"kind": "random"},
+        }
+    )
     victim, survivor = run.worker(0), run.worker(1)
     wait_for(lambda: steps(run) >= 300, what="steps before the kill")
     os.killpg(victim.pid, signal.SIGKILL)
