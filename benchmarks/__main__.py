@@ -7,7 +7,9 @@
 Suites come from :data:`benchmarks.suites.SUITES`; ``--only`` runs the suites that can
 produce a matching record and keeps the matching records plus their baselines. Targets
 are reported in the table and the JSON, never turned into a failing exit status: the
-exit status says whether the benchmarks ran, not whether they were fast.
+exit status says whether the benchmarks ran (0), some suite failed (1: the others'
+records are still printed and written) or the run was interrupted (130), not whether
+they were fast.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from benchmarks import suites
 from benchmarks.records import Record, Result, finish, select
@@ -94,25 +98,52 @@ def print_table(results: list[Result], title: str) -> None:
     console.print(table)
 
 
-def run_suites(quick: bool, repeats: int, only: str | None) -> list[Record]:
-    records: list[Record] = []
+@dataclass
+class Outcome:
+    """What a run produced: records, suites that failed, and whether it was interrupted."""
+
+    records: list[Record] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    interrupted: bool = False
+
+
+def run_suites(quick: bool, repeats: int, only: str | None) -> Outcome:
+    """Run the selected suites in order; a failing suite costs only its own records."""
+    outcome = Outcome()
     for name in suites.SUITES:
         run, declared = suites.load(name)
         if not suites.selected(name, declared, only):
             continue
         log.info("suite %s: %s, %d repeat(s)", name, "quick" if quick else "full", repeats)
         started = time.monotonic()
-        produced = run(quick=quick, repeats=repeats)
+        try:
+            produced = run(quick=quick, repeats=repeats)
+        except KeyboardInterrupt:
+            log.warning("interrupted during suite %s; reporting what was measured before it", name)
+            outcome.interrupted = True
+            return outcome
+        except Exception:
+            # The boundary between independent suites, like a test runner's: one suite
+            # failing (a peer that did not start, a missing optional package) must not
+            # throw away the minutes of figures the others measured. It is logged with
+            # its traceback and makes the exit status non-zero.
+            log.exception(
+                "suite %s failed after %.1f s; its records are missing", name, time.monotonic() - started
+            )
+            outcome.failed.append(name)
+            continue
         log.info("suite %s done in %.1f s", name, time.monotonic() - started)
         # A suite may run more than asked for; --only keeps matches and their baselines.
-        records += select(produced, None if only is None or only in name else only)
-    return records
+        outcome.records += select(produced, None if only is None or only in name else only)
+    return outcome
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so every suite's finally blocks stop what they started.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     repeats = args.repeats or (QUICK_REPEATS if args.quick else FULL_REPEATS)
     if repeats < 1:
@@ -125,20 +156,33 @@ def main(argv: list[str] | None = None) -> int:
             "load average %.1f on %d CPU(s): other work is running, figures will be noisy", load, cpus
         )
     started = time.monotonic()
-    records = run_suites(args.quick, repeats, args.only)
-    if not records:
+    # SIGTERM unwinds like Ctrl-C: every suite's finally blocks stop what they started,
+    # and what was measured so far is still reported.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        outcome = run_suites(args.quick, repeats, args.only)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not outcome.records and not (outcome.failed or outcome.interrupted):
         log.error("no benchmark record matches --only %r", args.only)
         return 2
-    results = finish(records)
+    results = finish(outcome.records)
     title = (
         f"loopgate bench{' --quick' if args.quick else ''}: medians of {repeats} repeat(s), "
         f"{time.monotonic() - started:.0f} s, {cpus} CPU(s), load {load:.1f} at start"
     )
-    print_table(results, title)
+    if outcome.failed:
+        title += f"; FAILED suites: {', '.join(outcome.failed)}"
+    if outcome.interrupted:
+        title += "; INTERRUPTED"
+    if results:
+        print_table(results, title)
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_json() for r in results], indent=2) + "\n")
         log.info("wrote %s", args.json)
-    return 0
+    if outcome.interrupted:
+        return 130
+    return 1 if outcome.failed else 0
 
 
 if __name__ == "__main__":

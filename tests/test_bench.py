@@ -125,3 +125,27 @@ def test_only_skips_suites_that_cannot_match() -> None:
     _, collect_names = suites.load("collect")
     assert suites.selected("collect", collect_names, "n16")
     assert not suites.selected("collect", collect_names, "gateway.rtt")
+
+
+def _good_suite(quick: bool, repeats: int) -> list[Record]:
+    return [Record(name="fake.value", value=float(repeats), unit="x")]
+
+
+def _broken_suite(quick: bool, repeats: int) -> list[Record]:
+    raise RuntimeError("a peer did not start")
+
+
+@pytest.mark.unit
+def test_a_failing_suite_costs_only_its_own_records(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from benchmarks import __main__ as bench
+
+    monkeypatch.setattr(
+        suites,
+        "SUITES",
+        {"broken": "tests.test_bench:_broken_suite", "good": "tests.test_bench:_good_suite"},
+    )
+    out = tmp_path / "bench.json"
+    assert bench.main(["--repeats", "3", "--json", str(out)]) == 1
+    assert [r["name"] for r in json.loads(out.read_text())] == ["fake.value"]
+    outcome = bench.run_suites(quick=True, repeats=2, only=None)
+    assert outcome.failed == ["broken"] and [r.value for r in outcome.records] == [2.0]
