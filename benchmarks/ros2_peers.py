@@ -7,7 +7,8 @@ Two roles, each ``python -m benchmarks.ros2_peers ROLE ...``:
   ``forward_position_controller/commands``. The round trip of a state is the time from
   its publication to the first command that arrives after it, on this process's clock.
   A timer tick that finds the last state unanswered publishes nothing (the rate is at
-  most ``--rate``), so a late command is never paired with a later state; the first ``--warmup`` are discarded and the
+  most ``--rate``), so a late command is never paired with a later state
+  (``--free-run``: publish on every tick, for measuring the controller's own loop); the first ``--warmup`` are discarded and the
   next ``--steps`` are written to ``--out`` (``.npz``, ``rtt_us``).
 - ``echo``: the baseline controller, raw rclpy: every joint state is answered at once
   with a command holding its positions.
@@ -53,7 +54,7 @@ def run_robot(args: argparse.Namespace) -> int:
 
         def publish() -> None:
             now = time.perf_counter()
-            if not state["answered"] and now - state["sent"] < 0.5:
+            if not args.free_run and not state["answered"] and now - state["sent"] < 0.5:
                 return  # at most one state unanswered: every command pairs with its own state
             msg.header.stamp = time_msg(time.time())
             state["sent"], state["answered"] = now, False
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1000, help="round trips recorded")
     p.add_argument("--warmup", type=int, default=100, help="round trips discarded first")
     p.add_argument("--timeout-s", type=float, default=120.0, help="give up after this long")
+    p.add_argument(
+        "--free-run", action="store_true", help="publish on every tick, answered or not (a steady robot)"
+    )
     p.add_argument("--out", default="rtt.npz")
     p.add_argument("--log-level", default="WARNING")
     return p
