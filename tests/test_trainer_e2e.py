@@ -187,7 +187,7 @@ def test_the_main_job_learns_to_reach(tmp_path):
             "--set",
             "trainer.max_updates=8000",
             "--set",
-            "trainer.target_success_rate=0.8",
+            "trainer.target_success_rate=0.85",
             "--set",
             "trainer.final_eval_episodes=32",
             "--set",

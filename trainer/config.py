@@ -53,7 +53,9 @@ class TrainerConfig:
     max_updates: int | None = None
     """Stop after this many updates (None: until the run's step budget or Ctrl-C)."""
     target_success_rate: float | None = None
-    """Stop early once a periodic evaluation reaches this success rate."""
+    """Stop early once ``target_rounds`` periodic evaluations in a row reach this success rate."""
+    target_rounds: int = 2
+    """Consecutive evaluation rounds at or above ``target_success_rate`` needed to stop."""
     init_timeout_s: float = 60.0
     """Timeout of the process group's collectives: a lost peer fails fast instead of hanging."""
     seed: int = 0
@@ -71,6 +73,7 @@ class TrainerConfig:
             ("checkpoint_every", self.checkpoint_every >= 1),
             ("eval_every", self.eval_every >= 0),
             ("eval_episodes", self.eval_episodes >= 1),
+            ("target_rounds", self.target_rounds >= 1),
             ("final_eval_episodes", self.final_eval_episodes >= 0),
             ("init_timeout_s", self.init_timeout_s > 0),
             ("sample_timeout_s", self.sample_timeout_s > 0),

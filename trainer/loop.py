@@ -107,6 +107,7 @@ class Trainer:
         self.stop_requested = False
         self.stop_reason = ""
         self._last_eval_round = 0
+        self._eval_history: list[float] = []
         self._budget_reached = False
 
     # ------------------------------------------------------------------ pieces
@@ -174,8 +175,13 @@ class Trainer:
                 last["policy_version"],
             )
             target = self.tc.target_success_rate
-            if target is not None and last["success_rate"] >= target:
-                self.request_stop(f"evaluation reached success rate {last['success_rate']:.2f}")
+            self._eval_history.append(last["success_rate"])
+            recent = self._eval_history[-self.tc.target_rounds :]
+            # One lucky round of a few episodes is not a policy that reaches reliably.
+            if target is not None and len(recent) == self.tc.target_rounds and min(recent) >= target:
+                self.request_stop(
+                    f"{self.tc.target_rounds} evaluation round(s) in a row reached success rate {target:.2f}"
+                )
         if self._budget_reached and self.tc.mode != "sync":
             self.request_stop("the run's env step budget is spent")
 
