@@ -24,6 +24,11 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_FILES = sorted((REPO / "launch").glob("*.launch.py"))
+PACKAGE_MAINS = {
+    "gateway.inference": "gateway.inference.server",
+    "trainer.replay": "trainer.replay.cli",
+    "trainer": "trainer.__main__",
+}
 ENTRY_MODULES = {target.partition(":")[0] for target, _ in COMMANDS.values()} | {
     "gateway.hub",
     "gateway.worker",
@@ -42,10 +47,18 @@ def check_process(argv: list[str]) -> str:
     """``argv`` is ``python -m <loopgate entry point> args`` and the entry point's parser accepts ``args``."""
     assert argv[:2] == [sys.executable, "-m"], argv
     module_name, args = argv[2], argv[3:]
+    if module_name == "torch.distributed.run":  # the trainer under torchrun: check what it runs
+        at = args.index("-m")
+        assert all(a.startswith("--") for a in args[:at]), args
+        module_name, args = args[at + 1], args[at + 2 :]
+    # `python -m package` runs package/__main__.py, which hands over to the CLI's module.
+    module_name = PACKAGE_MAINS.get(module_name, module_name)
     assert module_name in ENTRY_MODULES, f"{module_name} is not an entry point of the loopgate CLI"
     module = importlib.import_module(module_name)
     assert hasattr(module, "main"), module_name
-    module.build_parser().parse_args(args)  # SystemExit (a failed test) on an unknown or bad argument
+    # The replay CLI has two parsers (serve, import); the launch files start the service.
+    parser = getattr(module, "build_parser", None) or module.build_serve_parser
+    parser().parse_args(args)  # SystemExit (a failed test) on an unknown or bad argument
     return module_name
 
 
@@ -66,12 +79,12 @@ def test_experiment_launch_starts_what_loopgate_up_starts(tmp_path: Path) -> Non
     names = {a.name for a in module.arguments()}
     assert names == {a.dest for a in build_parser()._actions if a.dest != "help"} | {"supervised"}
     values: dict[str, Any] = {a.name: a.default for a in module.arguments()}
-    values.update(
-        config="configs/reach_ros2.yaml", run_dir=str(tmp_path / "run"), set="env.num_envs=1 policy.kind=zero"
-    )
+    values.update(config="configs/reach_ros2.yaml", run_dir=str(tmp_path / "run"), set="env.num_envs=1")
     procs = module.processes(values)
     started = {p.name: check_process(p.argv) for p in procs}
     assert started["gateway"] == "gateway.hub" and started["worker-0"] == "gateway.worker"
+    assert started["inference-0"] == "gateway.inference.server" and started["replay"] == "trainer.replay.cli"
+    assert started["trainer"] == "trainer.__main__"
     assert (tmp_path / "run" / "endpoints.json").is_file()  # the same run folder loopgate up prepares
     assert next(p for p in procs if p.name == "worker-0").respawn
     (supervised,) = module.processes({**values, "supervised": "true"})
