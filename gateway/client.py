@@ -33,6 +33,7 @@ from gymnasium.vector.utils import batch_space
 
 from gateway.episode import EnvSpec
 from gateway.protocol import Message, MsgType, Timeout, raise_for_error, recv, send, unpack
+from gateway.steps import StepInfo
 from gateway.transport import CurveKeys, connect, make_socket
 
 
@@ -133,14 +134,15 @@ class GatewayEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         batch = np.asarray(action, dtype=self.spec_.action.dtype).reshape((1, *self.spec_.action.shape))
         reply = self._conn.call(Message(MsgType.STEP, arrays={"action": batch}))
         a = reply.arrays
+        result = StepInfo(a["step_info"])
         obs = _row(unpack("obs", a), 0)
-        terminated, truncated = bool(a["terminated"][0]), bool(a["truncated"][0])
-        info = {"success": bool(a["success"][0])}
+        terminated, truncated = bool(result.terminated[0]), bool(result.truncated[0])
+        info = {"success": bool(result.success[0])}
         if terminated or truncated:
             self._next_obs = obs
             final = unpack("final_obs", a)
             obs = _row(final, 0) if final else obs
-        return obs, float(a["reward"][0]), terminated, truncated, info
+        return obs, float(result.reward[0]), terminated, truncated, info
 
     def close(self) -> None:
         self._conn.close()
@@ -194,8 +196,9 @@ class GatewayVectorEnv(VectorEnv[dict[str, np.ndarray], np.ndarray, np.ndarray])
         reply = self._conn.call(Message(MsgType.STEP, arrays={"action": batch}))
         a = reply.arrays
         obs = {k: np.array(v) for k, v in unpack("obs", a).items()}
-        terminated, truncated = np.array(a["terminated"]), np.array(a["truncated"])
-        info: dict[str, Any] = {"success": np.array(a["success"])}
+        result = StepInfo(a["step_info"])
+        terminated, truncated = result.terminated, result.truncated
+        info: dict[str, Any] = {"success": result.success}
         done = terminated | truncated
         final = unpack("final_obs", a)
         if final and done.any():
@@ -204,7 +207,7 @@ class GatewayVectorEnv(VectorEnv[dict[str, np.ndarray], np.ndarray, np.ndarray])
             for i in range(self.num_envs):
                 final_obs[i] = _row(final, i) if done[i] else None
             info["final_obs"], info["_final_obs"] = final_obs, done
-        return obs, np.array(a["reward"]), terminated, truncated, info
+        return obs, result.reward, terminated, truncated, info
 
     def close_extras(self, **kwargs: Any) -> None:
         self._conn.close()

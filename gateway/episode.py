@@ -26,6 +26,7 @@ never the reverse.
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -78,6 +79,11 @@ class ArraySpec:
         _check_dtype("observation", self.dtype)
         _check_shape("observation", self.shape)
 
+    @functools.cached_property
+    def np_dtype(self) -> np.dtype[Any]:
+        """The dtype as a numpy object (comparing these is much cheaper than names)."""
+        return np.dtype(self.dtype)
+
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "shape": list(self.shape)}
 
@@ -121,6 +127,11 @@ class ActionSpec:
     @property
     def high_array(self) -> npt.NDArray[Any]:
         return np.asarray(self.high, dtype=self.dtype).reshape(self.shape)
+
+    @functools.cached_property
+    def np_dtype(self) -> np.dtype[Any]:
+        """The dtype as a numpy object (comparing these is much cheaper than names)."""
+        return np.dtype(self.dtype)
 
     @property
     def discrete(self) -> bool:
@@ -236,11 +247,11 @@ class EnvSpec:
                 problems.append(f"observation {key!r} is missing")
                 continue
             want = (num_envs, *spec.shape)
-            if arr.dtype.name != spec.dtype or arr.shape != want:
+            if arr.dtype != spec.np_dtype or arr.shape != want:
                 problems.append(
                     f"observation {key!r} is {arr.dtype}{list(arr.shape)}, expected {spec.dtype}{list(want)}"
                 )
-        extra = set(obs) - set(self.observation)
+        extra = set(obs) - self.observation.keys() if len(obs) != len(self.observation) else ()
         if extra:
             problems.append(f"unexpected observation keys {sorted(extra)}")
         return problems
@@ -248,9 +259,9 @@ class EnvSpec:
     def check_action(self, action: npt.NDArray[Any], num_envs: int) -> list[str]:
         """Problems with a batch of actions (dtype, shape, finite)."""
         want = (num_envs, *self.action.shape)
-        if action.dtype.name != self.action.dtype or action.shape != want:
+        if action.dtype != self.action.np_dtype or action.shape != want:
             return [f"action is {action.dtype}{list(action.shape)}, expected {self.action.dtype}{list(want)}"]
-        if action.dtype.kind == "f" and not np.all(np.isfinite(action)):
+        if action.dtype.kind == "f" and not np.isfinite(action).all():
             return ["action contains NaN or Inf"]
         return []
 

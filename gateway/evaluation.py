@@ -95,6 +95,8 @@ class Evaluator:
     ) -> None:
         """Account the transitions of ``rows``; ``done[j]`` ends row ``j``'s episode."""
         flags = self.flags(uid, num_envs)
+        if not flags.any():
+            return
         for j, env in enumerate(rows):
             if not flags[env]:
                 continue

@@ -28,12 +28,13 @@ import signal
 import sys
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zmq
 
+from gateway import steps
 from gateway.config import GatewayConfig
 from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
@@ -52,21 +53,12 @@ from gateway.protocol import (
     unpack,
 )
 from gateway.recorder import Recorder
+from gateway.steps import StepInfo
 from gateway.transport import CurveKeys, bind, make_socket
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05
-STEP_ARRAYS = {
-    "episode": "int64",
-    "step": "int64",
-    "t_capture": "float64",
-    "has_prev": "bool",
-    "reward": "float32",
-    "terminated": "bool",
-    "truncated": "bool",
-    "success": "bool",
-}
 
 
 @dataclass
@@ -77,9 +69,11 @@ class WorkerSession:
     route: bytes
     num_envs: int
     last_seen: float
-    episodes: list[str] = field(default_factory=list)
+    episode_numbers: np.ndarray | None = None
+    """Episode number per env of the observation waiting for an action."""
     pending_obs: dict[str, np.ndarray] | None = None
-    pending_arrays: dict[str, np.ndarray] | None = None
+    pending_ids: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """(episode, step, t_capture) per env of the observation waiting for an action."""
     action: np.ndarray | None = None
     versions: np.ndarray | None = None
     t_action: float = 0.0
@@ -252,19 +246,20 @@ class Gateway:
             command = {"cmd": "estop", "engaged": True, "reason": "engaged before this worker joined"}
             send(self.workers_sock, Message(MsgType.COMMAND, meta=command), route=[route])
 
-    def _check_observation(self, session: WorkerSession, msg: Message) -> dict[str, np.ndarray]:
+    def _check_observation(
+        self, session: WorkerSession, msg: Message
+    ) -> tuple[dict[str, np.ndarray], StepInfo]:
         assert self.spec is not None
         n = session.num_envs
         obs = unpack("obs", msg.arrays)
         problems = self.spec.check_observation(obs, n)
-        for key, dtype in STEP_ARRAYS.items():
-            arr = msg.arrays.get(key)
-            if arr is None or arr.dtype.name != dtype or arr.shape != (n,):
-                got = "missing" if arr is None else f"{arr.dtype}{list(arr.shape)}"
-                problems.append(f"{key!r} must be {dtype}[{n}], got {got}")
-        if problems:
+        info = msg.arrays.get("step_info")
+        if info is None or info.dtype != np.float64 or info.shape != (n, steps.WIDTH):
+            got = "missing" if info is None else f"{info.dtype}{list(info.shape)}"
+            problems.append(f"'step_info' must be float64[{n}, {steps.WIDTH}], got {got}")
+        if problems or info is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "observation: " + "; ".join(problems))
-        return obs
+        return obs, StepInfo(info)
 
     def on_observation(self, session: WorkerSession, msg: Message) -> None:
         if msg.seq <= session.last_seq:
@@ -275,83 +270,105 @@ class Gateway:
             elif msg.seq == session.last_seq:
                 session.awaiting = msg.seq
             return
-        obs = self._check_observation(session, msg)
+        obs, info = self._check_observation(session, msg)
         if msg.meta.get("rtt_us"):
             session.rtt_us = float(msg.meta["rtt_us"])
             self.rtt.add(session.rtt_us)
-        acked = self._record(session, msg, obs)
+        has_prev = info.has_prev
+        rows = np.flatnonzero(has_prev)
+        prev = self._previous(session, msg, rows) if len(rows) else None
+        # Durable before any ACTION leaves: the ACTION acknowledges these steps.
+        written = self._spool(session, info, rows, prev) if prev is not None else 0
+        old_episodes = session.episode_numbers
         session.last_seq = msg.seq
         session.last_reply = None
         session.pending_obs = obs
-        session.pending_arrays = {k: msg.arrays[k] for k in ("episode", "step", "t_capture")}
-        session.episodes = [f"{session.uid}-{i}-{int(e)}" for i, e in enumerate(msg.arrays["episode"])]
+        session.pending_ids = (info.episode, info.step, info.t_capture)
+        session.episode_numbers = info.episode
         session.awaiting = msg.seq
         session.submitted = False
-        session.acked_now = acked
+        session.acked_now = len(rows)
         self.route_observation(session, msg)
+        # Bookkeeping after the ACTION left (in-process policies answer at once).
+        self._account(session, msg, info, rows, prev, old_episodes, written)
 
-    def _record(self, session: WorkerSession, msg: Message, obs: dict[str, np.ndarray]) -> int:
-        """Spool the transitions this observation completes; close finished episodes."""
-        a = msg.arrays
-        has_prev = np.asarray(a["has_prev"])
-        rows = np.flatnonzero(has_prev)
-        new = 0
-        if len(rows):
-            prev = self._previous(session, msg, rows)
-            done = np.asarray(a["terminated"]) | np.asarray(a["truncated"])
-            scalars = {
-                "reward": a["reward"][rows],
-                "terminated": a["terminated"][rows],
-                "truncated": a["truncated"][rows],
-                "success": a["success"][rows],
-                "policy_version": prev["policy_version"],
-                "t_capture": prev["t_capture"],
-                "t_action": prev["t_action"],
-                "step": prev["step"],
-            }
-            episodes = [f"{session.uid}-{int(r)}-{int(e)}" for r, e in zip(rows, prev["episode"])]
-            eval_flags = self.evaluator.flags(session.uid, session.num_envs)[rows]
-            new = self.recorder.record(
-                worker=session.uid,
-                task=self.spec.name if self.spec else "",
-                episodes=episodes,
-                envs=rows,
-                obs=prev["obs"],
-                action=prev["action"],
-                scalars=scalars,
-                eval_flags=[bool(f) for f in eval_flags],
-            )
-            self.lag.observe(np.asarray(prev["policy_version"]), np.asarray(prev["t_action"]))
+    def _spool(self, session: WorkerSession, info: StepInfo, rows: np.ndarray, prev: dict[str, Any]) -> int:
+        """Write the transitions this observation completes to the recorder's spool."""
+        scalars = {
+            "reward": info.reward[rows],
+            "terminated": info.terminated[rows],
+            "truncated": info.truncated[rows],
+            "success": info.success[rows],
+            "policy_version": prev["policy_version"],
+            "t_capture": prev["t_capture"],
+            "t_action": prev["t_action"],
+            "step": prev["step"],
+        }
+        uid = session.uid
+        prev["episodes"] = [f"{uid}-{r}-{e}" for r, e in zip(rows.tolist(), prev["episode"].tolist())]
+        eval_flags = self.evaluator.flags(uid, session.num_envs)[rows]
+        return self.recorder.record(
+            worker=uid,
+            task=self.spec.name if self.spec else "",
+            episodes=prev["episodes"],
+            envs=rows,
+            obs=prev["obs"],
+            action=prev["action"],
+            scalars=scalars,
+            eval_flags=eval_flags.tolist() if eval_flags.any() else None,
+        )
+
+    def _account(
+        self,
+        session: WorkerSession,
+        msg: Message,
+        info: StepInfo,
+        rows: np.ndarray,
+        prev: dict[str, Any] | None,
+        old_episodes: np.ndarray | None,
+        written: int,
+    ) -> None:
+        """Chunking, episode ends, evaluation and lag for the steps just spooled."""
+        self.recorder.apply_pending()
+        terminated, truncated = info.terminated, info.truncated
+        done = terminated | truncated
+        if prev is not None:
+            versions = np.asarray(prev["policy_version"])
+            self.lag.observe(versions, np.asarray(prev["t_action"]))
             self.evaluator.steps(
                 session.uid,
                 rows,
-                a["reward"][rows],
-                a["success"][rows],
-                np.asarray(prev["policy_version"]),
+                info.reward[rows],
+                info.success[rows],
+                versions,
                 done[rows],
                 session.num_envs,
             )
-            final = unpack("final_obs", a)
-            for j, r in enumerate(rows):
-                if done[r]:
-                    reason = "terminated" if a["terminated"][r] else "truncated"
-                    fo = {k: v[r] for k, v in final.items()} if final else None
-                    self.recorder.end(episodes[j], reason, fo)
-            session.env_steps += new
-            self.env_steps += new
+            if done.any():
+                final = unpack("final_obs", msg.arrays)
+                for j, r in enumerate(rows.tolist()):
+                    if done[r]:
+                        reason = "terminated" if terminated[r] else "truncated"
+                        fo = {k: v[r] for k, v in final.items()} if final else None
+                        self.recorder.end(prev["episodes"][j], reason, fo)
+            session.env_steps += written
+            self.env_steps += written
         # Envs that start a new episode without finishing the old one (a reset) leave it
         # interrupted; its steps so far are kept.
-        for i in np.flatnonzero(~has_prev):
-            old = session.episodes[i] if i < len(session.episodes) else None
-            if old and old in self.recorder.open:
-                self.recorder.end(old, "interrupted")
-            self.evaluator.interrupted(session.uid, int(i))
+        fresh = ~info.has_prev
+        if fresh.any():
+            for i in np.flatnonzero(fresh).tolist():
+                if old_episodes is not None and i < len(old_episodes):
+                    old = f"{session.uid}-{i}-{int(old_episodes[i])}"
+                    if old in self.recorder.open:
+                        self.recorder.end(old, "interrupted")
+                self.evaluator.interrupted(session.uid, i)
         # Every episode that starts now may be an evaluation episode.
-        starting = ~has_prev | np.asarray(a["terminated"]) | np.asarray(a["truncated"])
-        for i in np.flatnonzero(starting):
-            self.evaluator.new_episode(session.uid, int(i), session.num_envs)
+        starting = fresh | done
+        if starting.any():
+            for i in np.flatnonzero(starting).tolist():
+                self.evaluator.new_episode(session.uid, i, session.num_envs)
         self._rate.append((time.monotonic(), self.env_steps))
-        return new
 
     def _previous(self, session: WorkerSession, msg: Message, rows: np.ndarray) -> dict[str, Any]:
         """Observation, action and ids of the step each row of ``msg`` completes."""
@@ -361,27 +378,28 @@ class Gateway:
             return {
                 "obs": {k: v[rows] for k, v in prev_obs.items()},
                 "action": a["prev/action"][rows],
-                "policy_version": a["prev/policy_version"][rows],
+                "policy_version": np.asarray(a["prev/policy_version"][rows], dtype=np.int64),
                 "t_action": a["prev/t_action"][rows],
                 "t_capture": a["prev/t_capture"][rows],
-                "episode": a["prev/episode"][rows],
+                "episode": np.asarray(a["prev/episode"][rows], dtype=np.int64),
                 "step": a["prev/step"][rows],
             }
-        if session.pending_obs is None or session.action is None or session.pending_arrays is None:
+        if session.pending_obs is None or session.action is None or session.pending_ids is None:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST,
                 "observation completes a step the gateway has no record of; resend it with prev/* arrays",
             )
         assert session.versions is not None
-        p = session.pending_arrays
+        episode, step, t_capture = session.pending_ids
+        full = len(rows) == session.num_envs
         return {
-            "obs": {k: v[rows] for k, v in session.pending_obs.items()},
-            "action": session.action[rows],
-            "policy_version": session.versions[rows],
+            "obs": session.pending_obs if full else {k: v[rows] for k, v in session.pending_obs.items()},
+            "action": session.action if full else session.action[rows],
+            "policy_version": session.versions if full else session.versions[rows],
             "t_action": np.full(len(rows), session.t_action),
-            "t_capture": p["t_capture"][rows],
-            "episode": p["episode"][rows],
-            "step": p["step"][rows],
+            "t_capture": t_capture[rows],
+            "episode": episode[rows],
+            "step": step[rows],
         }
 
     def route_observation(self, session: WorkerSession, msg: Message) -> None:
@@ -399,6 +417,8 @@ class Gateway:
             self.source.submit(key, session.pending_obs, deadline, deterministic=flags.copy())
         else:
             self.source.submit(key, session.pending_obs, deadline)
+        if self.source.synchronous:  # answered already: send it now, not at the end of the loop
+            self.collect_actions()
 
     def send_action(
         self,
@@ -417,12 +437,14 @@ class Gateway:
         session.action = np.asarray(actions)
         session.versions = np.asarray(versions, dtype=np.int64)
         session.t_action = time.time()
-        reply = Message(
-            MsgType.ACTION,
-            seq=seq,
-            meta={"acked": session.acked_now, "t_action": session.t_action},
-            arrays={"action": session.action, "policy_version": session.versions},
-        )
+        meta: dict[str, Any] = {"acked": session.acked_now, "t_action": session.t_action}
+        arrays = {"action": session.action}
+        v = session.versions
+        if len(v) and (v == v[0]).all():
+            meta["version"] = int(v[0])  # one frame less on every step
+        else:
+            arrays["policy_version"] = v
+        reply = Message(MsgType.ACTION, seq=seq, meta=meta, arrays=arrays)
         send(self.workers_sock, reply, route=[session.route])
         session.last_reply = reply
         session.awaiting = None

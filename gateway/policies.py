@@ -116,6 +116,9 @@ class ActionSource(abc.ABC):
     (in-process) and one that answers over sockets (inference servers) look the same.
     """
 
+    synchronous: bool = False
+    """Whether :meth:`submit` has the answer ready before it returns (in-process policies)."""
+
     @abc.abstractmethod
     def submit(self, key: Any, obs: Obs, deadline: float, deterministic: np.ndarray | None = None) -> None:
         """Ask for actions for ``obs``; ``deadline`` is on the ``time.monotonic`` clock.
@@ -150,6 +153,8 @@ class ActionSource(abc.ABC):
 
 class InProcessSource(ActionSource):
     """Runs a :class:`Policy` in the gateway process; answers immediately."""
+
+    synchronous = True
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy

@@ -94,6 +94,7 @@ class Recorder:
             spool_dir, fsync=fsync, fsync_interval_s=fsync_interval_s, segment_bytes=1 << 62
         )
         self._ready: list[Message] = []
+        self._pending: list[tuple[Mapping[str, Any], Mapping[str, np.ndarray], int]] = []
         self._cutting = True
 
     # ------------------------------------------------------------------ record
@@ -115,6 +116,7 @@ class Recorder:
         Returns the number of new steps; re-sent ones are skipped. When this returns the
         steps are durable against this process dying (see ``SegmentLog.append``).
         """
+        self.apply_pending()  # deduplication below needs every earlier record applied
         steps = np.asarray(scalars["step"], dtype=np.int64)
         keep = [i for i, ep in enumerate(episodes) if not self._is_duplicate(ep, int(steps[i]))]
         self.counters.duplicate_resends += len(episodes) - len(keep)
@@ -127,8 +129,11 @@ class Recorder:
             obs = {k: v[idx] for k, v in obs.items()}
             scalars = {k: np.asarray(v)[idx] for k, v in scalars.items()}
             eval_flags = [eval_flags[i] for i in keep] if eval_flags else None
-        arrays = {**pack("obs", obs), "action": action, "env": np.asarray(envs, np.int64)}
-        arrays.update({k: np.asarray(scalars[k], dtype=dt) for k, dt in STEP_FIELDS.items()})
+        # The per-step scalars travel as one float64 column block: one frame, not eight.
+        packed = np.empty((len(episodes), len(STEP_FIELDS)), dtype=np.float64)
+        for j, key in enumerate(STEP_FIELDS):
+            packed[:, j] = scalars[key]
+        arrays = {**pack("obs", obs), "action": action, "env": np.asarray(envs, np.int64), "scalars": packed}
         meta = {
             "kind": "steps",
             "worker": worker,
@@ -137,8 +142,16 @@ class Recorder:
             "eval": eval_flags or [],
         }
         pos = self._append(Message(MsgType.TRAJECTORY_CHUNK, meta=meta, arrays=arrays))
-        self._apply_steps(meta, arrays, pos.segment)
+        # Chunking is bookkeeping in memory: the caller may acknowledge first and apply
+        # afterwards (apply_pending), keeping it out of the observation->action path.
+        self._pending.append((meta, arrays, pos.segment))
         return len(episodes)
+
+    def apply_pending(self) -> None:
+        """Fold spooled but not yet applied step records into the open episodes."""
+        while self._pending:
+            meta, arrays, segment = self._pending.pop(0)
+            self._apply_steps(meta, arrays, segment)
 
     def _is_duplicate(self, episode: str, step: int) -> bool:
         if episode in self.closed:
@@ -149,9 +162,11 @@ class Recorder:
     def _apply_steps(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray], segment: int) -> None:
         obs = unpack("obs", arrays)
         episodes: list[str] = meta["episodes"]
+        packed = arrays["scalars"]
+        columns = {key: packed[:, j].astype(dt) for j, (key, dt) in enumerate(STEP_FIELDS.items())}
         eval_flags = meta.get("eval") or [False] * len(episodes)
         for i, episode in enumerate(episodes):
-            step = int(arrays["step"][i])
+            step = int(columns["step"][i])
             if self._is_duplicate(episode, step):
                 continue
             ep = self.open.get(episode)
@@ -166,7 +181,7 @@ class Recorder:
             ep.rows.add(
                 {k: v[i] for k, v in obs.items()},
                 arrays["action"][i],
-                **{k: arrays[k][i] for k in STEP_FIELDS},
+                **{k: columns[k][i] for k in STEP_FIELDS},
             )
             ep.segments.append(segment)
             ep.next_step = step + 1
@@ -175,6 +190,7 @@ class Recorder:
 
     def end(self, episode: str, reason: str, final_obs: Mapping[str, np.ndarray] | None = None) -> None:
         """Close an episode (``terminated``, ``truncated`` or ``interrupted``) and flush it."""
+        self.apply_pending()
         ep = self.open.get(episode)
         if ep is None:
             return
@@ -206,12 +222,14 @@ class Recorder:
 
     def interrupt(self, worker: str | None = None) -> int:
         """Close every open episode (of ``worker``, or all) as interrupted; keep their steps."""
+        self.apply_pending()
         victims = [e for e, ep in self.open.items() if worker is None or ep.rows.worker == worker]
         for episode in victims:
             self.end(episode, "interrupted")
         return len(victims)
 
     def open_workers(self) -> set[str]:
+        self.apply_pending()
         return {ep.rows.worker for ep in self.open.values()}
 
     # ------------------------------------------------------------------ chunks
@@ -227,6 +245,7 @@ class Recorder:
 
     def pump(self) -> int:
         """Submit ready chunks, collect acknowledgements, trim the spool; return acks seen."""
+        self.apply_pending()
         while self._ready:
             chunk = self._ready.pop(0)
             self.sink.submit(chunk)

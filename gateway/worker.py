@@ -13,15 +13,16 @@ gateway can record that step; the gateway drops steps it already has.
 Message layout (``K`` = num_envs)::
 
     OBSERVATION  meta: uid, rtt_us, reset (bool)
-                 obs/<key> [K, ...], episode i64[K] and step i64[K] (of these
-                 observations), t_capture f64[K],
-                 has_prev bool[K], reward f32[K], terminated bool[K], truncated bool[K],
-                 success bool[K], final_obs/<key> [K, ...] (when an episode ended),
+                 obs/<key> [K, ...], step_info f64[K, 8] (gateway.steps.COLUMNS:
+                 episode and step of these observations, t_capture, has_prev, and
+                 reward, terminated, truncated, success of the step they complete),
+                 final_obs/<key> [K, ...] (when an episode ended),
                  prev/obs/<key>, prev/action, prev/policy_version, prev/t_action,
                  prev/t_capture, prev/episode, prev/step (first message after a
                  reconnect: the step this message completes)
-    ACTION       seq = the observation's seq; action [K, ...], policy_version i64[K];
-                 meta: acked (steps stored durably with this observation)
+    ACTION       seq = the observation's seq; action [K, ...]; meta: version (one
+                 policy version for every env) or an array policy_version i64[K],
+                 acked (steps stored durably with this observation), t_action
     RESET        meta: seed, options  -> the worker resets every env and answers
                  with an OBSERVATION whose meta has reset=True
 """
@@ -43,14 +44,22 @@ from typing import Any
 import numpy as np
 import zmq
 
+from gateway import steps
 from gateway.episode import EpisodeBackend, Obs
-from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError, pack, recv, send, unpack
+from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError, pack, recv, send
 from gateway.transport import CurveKeys, connect, make_socket
 
 log = logging.getLogger(__name__)
 
 EXIT_CONFIG = 2
 """Exit status for errors a restart cannot fix (spec mismatch, bad options)."""
+
+
+def action_versions(msg: Message, n: int) -> np.ndarray:
+    """Policy version per env of an ACTION: ``meta["version"]`` when uniform, else the array."""
+    if "policy_version" in msg.arrays:
+        return np.asarray(msg.arrays["policy_version"], dtype=np.int64)
+    return np.full(n, int(msg.meta.get("version", 0)), dtype=np.int64)
 
 
 class FatalWorkerError(Exception):
@@ -154,20 +163,21 @@ class EnvWorker:
         has_prev: bool,
         reset: bool = False,
     ) -> Message:
-        n = self.backend.num_envs
-        now = time.time()
         arrays: dict[str, np.ndarray] = pack("obs", obs)
-        arrays["episode"] = self._episode.copy()
-        arrays["step"] = self._step.copy()
-        arrays["t_capture"] = np.full(n, now)
-        arrays["has_prev"] = np.full(n, has_prev)
-        arrays["reward"] = np.zeros(n, np.float32) if reward is None else np.asarray(reward, np.float32)
-        arrays["terminated"] = np.zeros(n, bool) if terminated is None else np.asarray(terminated, bool)
-        arrays["truncated"] = np.zeros(n, bool) if truncated is None else np.asarray(truncated, bool)
         success = (info or {}).get("success")
-        arrays["success"] = np.zeros(n, bool) if success is None else np.asarray(success, bool)
+        step_info = steps.pack(
+            episode=self._episode,
+            step=self._step,
+            t_capture=time.time(),
+            has_prev=float(has_prev),
+            reward=0.0 if reward is None else reward,
+            terminated=0.0 if terminated is None else terminated,
+            truncated=0.0 if truncated is None else truncated,
+            success=0.0 if success is None else success,
+        )
+        arrays["step_info"] = step_info
         final = (info or {}).get("final_obs")
-        if final is not None and np.any(arrays["terminated"] | arrays["truncated"]):
+        if final is not None and terminated is not None and (np.any(terminated) or np.any(truncated)):
             arrays.update(pack("final_obs", final))
         self._seq += 1
         return Message(
@@ -192,18 +202,18 @@ class EnvWorker:
     def _apply_action(self, obs_msg: Message, action_msg: Message) -> Message:
         action = np.asarray(action_msg.arrays["action"])
         n = self.backend.num_envs
-        version = np.asarray(action_msg.arrays.get("policy_version", np.zeros(n, np.int64)))
+        version = action_versions(action_msg, n)
         old_episode, old_step = self._episode.copy(), self._step.copy()
         obs, reward, terminated, truncated, info = self.backend.step(action)
-        sent_obs = unpack("obs", obs_msg.arrays)
         # Kept until the next action arrives: a restarted gateway needs it to record
-        # the step this observation completes.
+        # the step this observation completes. References, not copies: the backend
+        # never refills arrays it returned, and action frames are ours after receive.
         self._prev = {
-            **pack("obs", {k: np.array(v) for k, v in sent_obs.items()}),
-            "action": np.array(action),
-            "policy_version": np.array(version, dtype=np.int64),
+            **{k: v for k, v in obs_msg.arrays.items() if k.startswith("obs/")},
+            "action": action,
+            "policy_version": version,
             "t_action": np.full(n, float(action_msg.meta.get("t_action", time.time()))),
-            "t_capture": np.array(obs_msg.arrays["t_capture"]),
+            "t_capture": obs_msg.arrays["step_info"][:, steps.COLUMNS.index("t_capture")].copy(),
             "episode": old_episode,
             "step": old_step,
         }

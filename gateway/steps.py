@@ -1,0 +1,83 @@
+"""Per-env step results in one array: the ``step_info`` of an OBSERVATION message.
+
+Eight small per-env arrays cost eight frames on the wire, and every frame costs the
+sender and the receiver more than its bytes do; so the worker packs them as one
+``float64 [K, 8]`` array (every value fits a float64 exactly: counters stay below
+2**53, flags are 0 or 1)::
+
+    info = pack(episode=..., step=..., t_capture=..., has_prev=..., reward=...,
+                terminated=..., truncated=..., success=...)      # [K, 8]
+    steps = StepInfo(info)
+    steps.reward      # float32 [K];  steps.has_prev -> bool [K]; steps.episode -> int64 [K]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+COLUMNS = ("episode", "step", "t_capture", "has_prev", "reward", "terminated", "truncated", "success")
+"""Column order of ``step_info``."""
+WIDTH = len(COLUMNS)
+_COL = {name: i for i, name in enumerate(COLUMNS)}
+
+
+def pack(**columns: Any) -> np.ndarray:
+    """``step_info`` from per-env arrays (or scalars broadcast to the batch)."""
+    missing = set(COLUMNS) - set(columns)
+    if missing:
+        raise ValueError(f"step_info needs {sorted(missing)}")
+    n = max(np.size(v) for v in columns.values())
+    out = np.empty((n, WIDTH), dtype=np.float64)
+    for name, i in _COL.items():
+        out[:, i] = columns[name]
+    return out
+
+
+class StepInfo:
+    """Typed column views of a ``step_info`` array."""
+
+    __slots__ = ("a",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.a = array
+
+    def __len__(self) -> int:
+        return len(self.a)
+
+    @property
+    def episode(self) -> np.ndarray:
+        return self.a[:, 0].astype(np.int64)
+
+    @property
+    def step(self) -> np.ndarray:
+        return self.a[:, 1].astype(np.int64)
+
+    @property
+    def t_capture(self) -> np.ndarray:
+        return self.a[:, 2]
+
+    @property
+    def has_prev(self) -> np.ndarray:
+        out: np.ndarray = self.a[:, 3] != 0
+        return out
+
+    @property
+    def reward(self) -> np.ndarray:
+        return self.a[:, 4].astype(np.float32)
+
+    @property
+    def terminated(self) -> np.ndarray:
+        out: np.ndarray = self.a[:, 5] != 0
+        return out
+
+    @property
+    def truncated(self) -> np.ndarray:
+        out: np.ndarray = self.a[:, 6] != 0
+        return out
+
+    @property
+    def success(self) -> np.ndarray:
+        out: np.ndarray = self.a[:, 7] != 0
+        return out
