@@ -27,6 +27,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -75,6 +76,41 @@ def _frames_payload(msg: Message) -> list[bytes | memoryview]:
     return [lengths, *views]
 
 
+class _Syncer(threading.Thread):
+    """``fsync: interval`` off the writer's thread: an fsync can take tens of milliseconds,
+    and the writer (the gateway's loop) must not stall on it. Syncs its own duplicate of
+    the segment's descriptor, so the writer never waits for it except when rolling."""
+
+    def __init__(self, interval_s: float) -> None:
+        super().__init__(name="segment-log-fsync", daemon=True)
+        self.interval_s = interval_s
+        self.lock = threading.Lock()
+        self.fd: int | None = None
+        self.dirty = False
+        self.halt = threading.Event()
+
+    def set_fd(self, fd: int) -> None:
+        with self.lock:
+            if self.fd is not None:
+                os.close(self.fd)
+            self.fd = os.dup(fd)
+
+    def run(self) -> None:
+        while not self.halt.wait(self.interval_s):
+            with self.lock:
+                if self.dirty and self.fd is not None:
+                    self.dirty = False
+                    os.fsync(self.fd)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(timeout=30)
+        with self.lock:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+
+
 class SegmentLog:
     """Append-only, checksummed, segmented record log in one folder."""
 
@@ -98,9 +134,15 @@ class SegmentLog:
         self._dirty = False
         self._last_sync = time.monotonic()
         self.torn_bytes_cut = 0
+        self._syncer: _Syncer | None = None
         if not readonly:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._open_tail()
+            if fsync == "interval":
+                self._syncer = _Syncer(fsync_interval_s)
+                assert self._fd is not None
+                self._syncer.set_fd(self._fd)
+                self._syncer.start()
 
     # ------------------------------------------------------------------ segments
 
@@ -182,6 +224,8 @@ class SegmentLog:
         self._segment += 1
         self._size = 0
         self._fd = os.open(self.path(self._segment), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if self._syncer is not None:
+            self._syncer.set_fd(self._fd)
         self._fsync_dir()
         return self._segment
 
@@ -235,12 +279,16 @@ class SegmentLog:
             raise
         self._size += total
         self._dirty = True
+        if self._syncer is not None:
+            self._syncer.dirty = True
         return pos
 
     def commit(self, *, force: bool = False) -> bool:
         """Apply the fsync policy to what was appended; return whether it synced."""
         if self._fd is None or not self._dirty:
             return False
+        if self._syncer is not None and not force:
+            return False  # the syncer thread fsyncs every interval
         now = time.monotonic()
         due = (
             force
@@ -264,6 +312,9 @@ class SegmentLog:
             os.close(fd)
 
     def close(self) -> None:
+        if self._syncer is not None:
+            self._syncer.stop()
+            self._syncer = None
         if self._fd is not None:
             if self.fsync != "never":
                 self.commit(force=True)

@@ -17,7 +17,11 @@ gateway's sink when no replay service runs (:class:`StoreSink`), and the place
 from __future__ import annotations
 
 import abc
+import collections
 import logging
+import queue
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,25 +108,66 @@ class EpisodeStore:
 
 
 class StoreSink(TrajectorySink):
-    """Writes chunks into an :class:`EpisodeStore` and acknowledges them at once."""
+    """Writes chunks into an :class:`EpisodeStore` on a thread of its own.
+
+    A chunk of camera frames is megabytes; writing it on the gateway's loop held every
+    worker's next action up behind the disk. The thread acknowledges each chunk once
+    written; a write the disk refuses (full) is retried every second, and until it
+    succeeds the sink reports ``blocked`` so the gateway stops collecting."""
+
+    RETRY_S = 1.0
 
     def __init__(self, store: EpisodeStore) -> None:
         self.store = store
-        self._acked: list[str] = []
+        self._queue: queue.Queue[Message | None] = queue.Queue()
+        self._acked: collections.deque[str] = collections.deque()
+        self._submitted = 0
+        self._acked_total = 0
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="episode-store", daemon=True)
+        self._thread.start()
 
     def submit(self, chunk: Message) -> None:
-        self.store.put(chunk)
-        self._acked.append(chunk.meta["chunk_id"])
+        self._submitted += 1
+        self._queue.put(chunk)
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._queue.get()
+            if chunk is None:
+                break
+            while True:
+                try:
+                    self.store.put(chunk)
+                    break
+                except OSError as exc:
+                    if self._error is None:
+                        log.error("episode store refuses writes (%s); collection waits and retries", exc)
+                    self._error = str(exc)
+                    time.sleep(self.RETRY_S)
+            self._error = None
+            if self._queue.empty():
+                self.store.commit()
+            self._acked.append(chunk.meta["chunk_id"])
 
     def poll_acks(self) -> list[str]:
-        if not self._acked:
-            return []
-        self.store.commit()
-        acked, self._acked = self._acked, []
+        acked = []
+        while self._acked:
+            acked.append(self._acked.popleft())
+        self._acked_total += len(acked)
         return acked
+
+    def backlog(self) -> int:
+        return self._submitted - self._acked_total - len(self._acked)
+
+    @property
+    def blocked(self) -> bool:
+        return self._error is not None
 
     def describe(self) -> str:
         return f"local store {self.store.directory}"
 
     def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
         self.store.close()

@@ -49,9 +49,9 @@ def test_chunks_hold_consecutive_steps_and_end_with_the_episode(tmp_path):
     rec = make(tmp_path)
     for s in range(10):
         assert rec.record(**batch(s, ["a", "b"])) == 2
-        rec.pump()
+        rec.settle()
     rec.end("a", "truncated", {"q": np.ones(3, np.float32)})
-    rec.pump()
+    rec.settle()
     store = EpisodeStore(tmp_path / "episodes", readonly=True)
     chunks = list(store.chunks())
     for c in chunks:
@@ -71,7 +71,7 @@ def test_resent_steps_are_acknowledged_but_stored_once(tmp_path):
     assert rec.counters.duplicate_resends == 1
     rec.end("a", "terminated")
     assert rec.record(**batch(1, ["a"])) == 0  # even after the episode closed
-    rec.pump()
+    rec.settle()
     count = EpisodeStore(tmp_path / "episodes", readonly=True).count()
     assert count.stored_steps == 2 and count.duplicate_steps == 0
 
@@ -83,14 +83,15 @@ def test_restart_without_acks_resends_the_same_chunks_and_the_store_dedups(tmp_p
         rec.pump()
     rec.end("a", "truncated")
     rec.pump()
-    # "Crash": no close. A fresh recorder with an acknowledging sink recovers.
+    rec.sink.close()  # its writer stops, as a killed process's would
+    # "Crash": the recorder is not closed. A fresh one with an acknowledging sink recovers.
     again = make(tmp_path)
     summary = again.recover()
     assert summary["acked_steps"] == 20 and summary["open_episodes"] == 1
     assert again.record(**batch(9, ["b"])) == 0  # the worker resends its last step
     assert again.record(**batch(10, ["b"])) == 1
     again.drain()
-    again.pump()
+    again.settle()
     count = EpisodeStore(tmp_path / "episodes", readonly=True).count()
     assert count.stored_steps == 21 and count.duplicate_steps == 0
     assert count.completed_episodes == 1 and count.interrupted_episodes == 1
@@ -100,14 +101,14 @@ def test_restart_after_acks_across_segments_loses_and_repeats_nothing(tmp_path):
     rec = make(tmp_path, segment_bytes=3000)
     for s in range(30):
         rec.record(**batch(s, ["a", "b", "c"]))
-        rec.pump()
+        rec.settle()
     assert len(rec.spool_segments()) < 4  # acknowledged segments are trimmed
     again = make(tmp_path, segment_bytes=3000)
     again.recover()
     for s in range(30, 35):
         again.record(**batch(s, ["a", "b", "c"]))
     again.drain()
-    again.pump()
+    again.settle()
     count = EpisodeStore(tmp_path / "episodes", readonly=True).count()
     assert count.stored_steps == 3 * 35 and count.duplicate_steps == 0
     for episode in EpisodeStore(tmp_path / "episodes", readonly=True).episodes():
@@ -120,7 +121,7 @@ def test_interrupting_a_worker_keeps_its_steps(tmp_path):
         rec.record(**batch(s, ["a"], worker="w1"))
         rec.record(**batch(s, ["z"], worker="w2"))
     assert rec.interrupt("w1") == 1
-    rec.pump()
+    rec.settle()
     assert set(rec.open) == {"z"}
     (a,) = EpisodeStore(tmp_path / "episodes", readonly=True).episodes()
     assert a.end == "interrupted" and a.num_steps == 3
