@@ -204,3 +204,22 @@ def test_estop_stops_every_worker_and_release_resumes(gateway_run):
     wait_for(lambda: all("e-stop engaged" in log_of(w) for w in workers), what="workers to see the e-stop")
     run.control.request("estop", engaged=False)
     wait_for(lambda: steps(run) > halted + 200, what="collection to resume after release")
+
+
+def test_collection_pauses_while_the_policy_lags_too_far_behind_the_trainer(gateway_run):
+    run = gateway_run()
+    run.worker(0)
+    wait_for(lambda: steps(run) > 100, what="collection")
+    # The in-process policy acts with version 0; a trainer at version 20 with a bound of 4.
+    reply = run.control.request("trainer_version", version=20, t=0.0, max_policy_lag=4)
+    assert reply["trainer_version"] == 20
+    assert run.status()["lag_exceeded"] is True
+    halted = steps(run)
+    import time
+
+    time.sleep(1.0)
+    assert steps(run) - halted <= 4  # the step in flight when it paused, at most
+    lag = run.status()["policy_lag"]
+    assert lag["max"] >= 20 - 1  # steps recorded while lagging are measured as such
+    with pytest.raises(Exception, match="version"):
+        run.control.request("trainer_version", version="twenty")

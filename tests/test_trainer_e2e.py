@@ -207,3 +207,25 @@ def test_the_main_job_learns_to_reach(tmp_path):
     assert summary["eval_success_rate"] >= max(0.5, untrained["success_rate"] + 0.4), (untrained, summary)
     assert summary["eval_return"] > untrained["return_mean"] + 3.0
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
+
+
+def test_sync_mode_alternates_collection_and_training(tmp_path):
+    run = tmp_path / "run"
+    path = config(
+        tmp_path,
+        mode="sync",
+        collect_steps=800,
+        updates_per_round=30,
+        max_updates=90,
+        eval_every=0,
+        final_eval_episodes=0,
+    )
+    out = finish(up(path, run))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outcome"] == "completed", out[-3000:]
+    records = trainer_records(run)
+    assert records[-1]["updates"] >= 90
+    # Collection moves in rounds of collect_steps (the gateway's budget is raised round by
+    # round) and waits while the trainer trains: about one round per 30 updates.
+    assert 3 * 800 <= summary["env_steps"] <= 5 * 800 + 100
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
