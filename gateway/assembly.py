@@ -81,6 +81,11 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     if recovered["records"]:
         log.info("resuming from spool: %s", recovered)
     max_steps = args.max_env_steps if args.max_env_steps is not None else cfg.run.max_env_steps
+    trainer = getattr(cfg, "trainer", None) if cfg.has("trainer") else None
+    if trainer is not None and trainer.enabled and trainer.mode == "sync":
+        # Sync mode: collect the first round only; the trainer opens each next round.
+        first = trainer.collect_steps
+        max_steps = first if max_steps is None else min(max_steps, first)
     gateway = Gateway(
         config=g,
         source=make_source(cfg, spec, endpoints),

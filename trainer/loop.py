@@ -247,7 +247,7 @@ class Trainer:
             # The untrained policy's score: the first point of the learning curve.
             self.control.request("evaluate", timeout_s=5.0, episodes=self.tc.eval_episodes)
         last_report = time.monotonic()
-        started, start_updates, start_wait, start_compute = time.monotonic(), self.c.updates, 0.0, 0.0
+        self._start = (time.monotonic(), self.c.updates, self.c.wait_s, self.c.compute_s)
         try:
             while not self.should_stop():
                 if self.tc.mode == "sync":
@@ -257,23 +257,7 @@ class Trainer:
                 now = time.monotonic()
                 if now - last_report >= 1.0:
                     self.poll_gateway()
-                    elapsed = now - started
-                    busy = self.c.wait_s - start_wait + self.c.compute_s - start_compute
-                    self.metrics.emit(
-                        {
-                            "updates": self.c.updates,
-                            "version": self.c.version,
-                            "samples": self.c.samples,
-                            "updates_per_s": round((self.c.updates - start_updates) / elapsed, 2),
-                            "samples_per_s": round(
-                                (self.c.updates - start_updates) * self.tc.batch_size / elapsed, 1
-                            ),
-                            "data_wait_frac": round((self.c.wait_s - start_wait) / busy, 3) if busy else 0.0,
-                            "skipped_updates": self.c.skipped,
-                            **self.c.stats,
-                            "publications_refused": self.publisher.refused if self.publisher else 0,
-                        }
-                    )
+                    self.report()
                     last_report = now
         except (Timeout, RemoteError) as exc:
             if not self.stop_requested:
@@ -282,8 +266,29 @@ class Trainer:
         log.info("trainer stopping: %s", self.stop_reason or "asked to")
         self.publish()
         checkpoint.save(self.algo, self.ckpt_dir, self.c.saved(), is_main=self.world.is_main)
+        self.report()
         self.release_replay()
         return 0
+
+    def report(self) -> None:
+        """One metrics record: counters, rates since the start, the last update's statistics."""
+        started, start_updates, start_wait, start_compute = self._start
+        elapsed = max(time.monotonic() - started, 1e-9)
+        busy = self.c.wait_s - start_wait + self.c.compute_s - start_compute
+        done = self.c.updates - start_updates
+        self.metrics.emit(
+            {
+                "updates": self.c.updates,
+                "version": self.c.version,
+                "samples": self.c.samples,
+                "updates_per_s": round(done / elapsed, 2),
+                "samples_per_s": round(done * self.tc.batch_size / elapsed, 1),
+                "data_wait_frac": round((self.c.wait_s - start_wait) / busy, 3) if busy else 0.0,
+                "skipped_updates": self.c.skipped,
+                **self.c.stats,
+                "publications_refused": self.publisher.refused if self.publisher else 0,
+            }
+        )
 
     def release_replay(self) -> None:
         """Nothing samples any more: collection (the final evaluation) must not wait for the
@@ -301,26 +306,30 @@ class Trainer:
             client.close()
 
     def sync_round(self) -> None:
-        """Collect ``collect_steps`` steps, take ``updates_per_round`` updates, publish."""
+        """Wait for this round's ``collect_steps``, take ``updates_per_round`` updates,
+        publish, then open the next round (the gateway starts with the first round's
+        budget, so collection never runs ahead of training)."""
         if self.control is not None:
-            status = self.control.request("status", timeout_s=5.0)
-            target = int(status["env_steps"]) + self.tc.collect_steps
-            budget = self.cfg.run.max_env_steps
-            if budget is not None and target > budget:
-                target = budget
-            self.control.request("set_budget", timeout_s=5.0, max_env_steps=target)
             while not self.stop_requested:
                 status = self.control.request("status", timeout_s=5.0)
-                if int(status["env_steps"]) >= target:
+                if status.get("budget_reached"):
                     break
                 time.sleep(0.05)
-            if budget is not None and target >= budget:
-                self.request_stop("the run's env step budget is spent")
         if self.should_stop():
             return
         for _ in range(self.tc.updates_per_round):
             self.update()
         self.publish()
+        if self.control is not None:
+            status = self.control.request("status", timeout_s=5.0)
+            target = int(status["env_steps"]) + self.tc.collect_steps
+            budget = self.cfg.run.max_env_steps
+            if budget is not None and int(status["env_steps"]) >= budget:
+                self.request_stop("the run's env step budget is spent")
+                return
+            if budget is not None:
+                target = min(target, budget)
+            self.control.request("set_budget", timeout_s=5.0, max_env_steps=target)
 
     def close(self) -> None:
         if self.publisher is not None:
