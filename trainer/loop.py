@@ -107,6 +107,7 @@ class Trainer:
         self.stop_requested = False
         self.stop_reason = ""
         self._last_eval_round = 0
+        self._start = (time.monotonic(), 0, 0.0, 0.0)
         self._eval_history: list[float] = []
         self._budget_reached = False
 
