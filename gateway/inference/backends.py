@@ -72,8 +72,11 @@ class Backend(abc.ABC):
         """The version the server starts with (``config.weights`` or random weights)."""
 
     @abc.abstractmethod
-    def from_state_dict(self, arrays: dict[str, np.ndarray], version: int) -> LoadedPolicy:
-        """A validated version from state-dict arrays; raises :class:`WeightsError`."""
+    def from_state_dict(
+        self, arrays: dict[str, np.ndarray], version: int, *, finite_checked: bool = False
+    ) -> LoadedPolicy:
+        """A validated version from state-dict arrays (``finite_checked``: NaN/Inf were ruled
+        out already, as the transfer arrived); raises :class:`WeightsError`."""
 
     @abc.abstractmethod
     def from_onnx(self, blob: np.ndarray, version: int) -> LoadedPolicy:
@@ -194,6 +197,12 @@ class TorchPolicy(LoadedPolicy):
             return np.asarray(self.actor(tensors, torch.from_numpy(eps).to(self.device)).cpu().numpy())
 
 
+def _writable(arr: np.ndarray) -> np.ndarray:
+    """torch shares memory only with writable arrays; received frames usually are."""
+    arr = np.asarray(arr)
+    return arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr)
+
+
 class TorchBackend(Backend):
     name = "torch"
 
@@ -208,6 +217,10 @@ class TorchBackend(Backend):
         if config.threads and self.device == "cpu":
             torch.set_num_threads(config.threads)
         self.template = make_actor(spec, config.network)
+        # Building a network on the meta device imports torch's compiler stack the first
+        # time (about a second): pay it at start-up, not in the first weight swap.
+        with torch.device("meta"):
+            make_actor(spec, config.network)
         probe = self.template
         self.expected = {
             k: (str(v.dtype).replace("torch.", ""), tuple(v.shape)) for k, v in probe.state_dict().items()
@@ -226,8 +239,19 @@ class TorchBackend(Backend):
 
     def _build(self, arrays: dict[str, np.ndarray], version: int) -> TorchPolicy:
         torch = self.torch
-        actor = self._empty_actor()
-        actor.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in arrays.items()}, strict=True)
+        tensors = {k: torch.from_numpy(_writable(v)) for k, v in arrays.items()}
+        if self.device == "cpu":
+            # The received arrays become the parameters themselves: no copy of the weights.
+            with torch.device("meta"):
+                actor = self._make_actor(self.spec, self.config.network)
+            actor.load_state_dict(tensors, strict=True, assign=True)
+            for name, buf in self.template.named_buffers():  # the action bounds
+                module, _, attr = name.rpartition(".")
+                owner = actor.get_submodule(module) if module else actor
+                owner.register_buffer(attr, buf.clone(), persistent=False)
+        else:
+            actor = self._empty_actor()
+            actor.load_state_dict(tensors, strict=True)
         actor.to(self.device).eval()
         c = self.config
         policy = TorchPolicy(actor, version, self.device, c.batch_buckets, c.cuda_graphs)
@@ -247,8 +271,10 @@ class TorchBackend(Backend):
         assert not isinstance(loaded, bytes)
         return self.from_state_dict(loaded, c.initial_version)
 
-    def from_state_dict(self, arrays: dict[str, np.ndarray], version: int) -> LoadedPolicy:
-        check_state_dict(arrays, self.expected)
+    def from_state_dict(
+        self, arrays: dict[str, np.ndarray], version: int, *, finite_checked: bool = False
+    ) -> LoadedPolicy:
+        check_state_dict(arrays, self.expected, check_finite=not finite_checked)
         return self._build(arrays, version)
 
     def from_onnx(self, blob: np.ndarray, version: int) -> LoadedPolicy:
@@ -447,8 +473,10 @@ class OrtBackend(Backend):
         policy.version = c.initial_version
         return policy
 
-    def from_state_dict(self, arrays: dict[str, np.ndarray], version: int) -> LoadedPolicy:
-        check_state_dict(arrays, self.expected)
+    def from_state_dict(
+        self, arrays: dict[str, np.ndarray], version: int, *, finite_checked: bool = False
+    ) -> LoadedPolicy:
+        check_state_dict(arrays, self.expected, check_finite=not finite_checked)
         return self._session(self.base, arrays, version)
 
     def from_onnx(self, blob: np.ndarray, version: int) -> LoadedPolicy:

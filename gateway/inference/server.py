@@ -274,7 +274,9 @@ class InferenceServer:
                 if update.format == "onnx":
                     policy = self.backend.from_onnx(update.arrays["onnx"], update.version)
                 else:
-                    policy = self.backend.from_state_dict(update.arrays, update.version)
+                    policy = self.backend.from_state_dict(
+                        update.arrays, update.version, finite_checked=update.finite_checked
+                    )
             except WeightsError as exc:
                 self.stats.count(weights_refused=1)
                 self.stats.error(exc.code.value)

@@ -70,6 +70,9 @@ class WeightsUpdate:
     nbytes: int
     route: bytes = b""
     seq: int = 0
+    finite_checked: bool = False
+    """Every float tensor was checked for NaN/Inf as its buckets arrived (overlapping the
+    transfer), so loading need not read the whole state dict once more."""
 
 
 def bucketize(
@@ -201,6 +204,9 @@ class WeightsAssembler:
     def _take(self, state: _Transfer, msg: Message, parts: dict[str, Any]) -> None:
         for name, arr in msg.arrays.items():
             state.nbytes += arr.nbytes
+            # Checked here, bucket by bucket, while the next buckets are still arriving.
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise WeightsError(ErrorCode.BAD_WEIGHTS, f"tensor {name!r} has NaN or Inf values")
             part = parts.get(name)
             if part is None:
                 if name in state.arrays:
@@ -241,11 +247,16 @@ class WeightsAssembler:
                 f"transfer is truncated: {len(state.arrays)} tensors / {state.nbytes} bytes arrived, "
                 f"{meta.get('tensors')} / {meta.get('bytes')} announced",
             )
-        return WeightsUpdate(version, fmt, state.arrays, state.nbytes, route, seq)
+        return WeightsUpdate(
+            version, fmt, state.arrays, state.nbytes, route, seq, finite_checked=fmt == "state_dict"
+        )
 
 
 def check_state_dict(
-    arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple[str, tuple[int, ...]]]
+    arrays: Mapping[str, np.ndarray],
+    expected: Mapping[str, tuple[str, tuple[int, ...]]],
+    *,
+    check_finite: bool = True,
 ) -> None:
     """Raise ``bad_weights`` unless ``arrays`` has exactly the expected names, dtypes and shapes, all finite."""
     missing = sorted(set(expected) - set(arrays))
@@ -262,7 +273,7 @@ def check_state_dict(
                 ErrorCode.BAD_WEIGHTS,
                 f"tensor {name!r} is {arr.dtype}{list(arr.shape)}, the network needs {dtype}{list(shape)}",
             )
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        if check_finite and arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise WeightsError(ErrorCode.BAD_WEIGHTS, f"tensor {name!r} has NaN or Inf values")
 
 
