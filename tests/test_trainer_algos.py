@@ -86,9 +86,12 @@ def test_publisher_never_sends_non_finite_weights():
     pub = Publisher(spec=SPEC, net_config=NET, targets=[], onnx=False, control=None)
     try:
         weights = {"w": np.ones(3, np.float32), "b": np.array([np.inf], np.float32)}
-        assert pub.submit(5, weights) is False
+        pub.submit(5, weights)
+        deadline = time.monotonic() + 5
+        while pub.refused == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert pub.refused == 1 and pub.published_version == 0
-        assert pub.submit(6, {"w": np.ones(3, np.float32)}) is True
+        pub.submit(6, {"w": np.ones(3, np.float32)})
         pub.flush()
         deadline = time.monotonic() + 5
         while pub.published_version != 6 and time.monotonic() < deadline:
@@ -118,3 +121,17 @@ def test_unknown_algorithm_and_bad_options_are_refused():
         make_algorithm("ppo2", SPEC, NET, {}, device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"trainer\.options\.gamma"):
         make_algorithm("sac", SPEC, NET, {"gamma": 1.5}, device=torch.device("cpu"))
+
+
+def test_published_weights_are_a_snapshot_not_the_live_parameters():
+    from trainer.networks import make_actor
+    from trainer.publish import full_state_dict
+
+    actor = make_actor(SPEC, NET, seed=0)
+    snapshot = full_state_dict(actor)
+    before = {k: v.copy() for k, v in snapshot.items()}
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.add_(1.0)  # what the next optimizer step does in place
+    for k, v in snapshot.items():
+        np.testing.assert_array_equal(v, before[k])

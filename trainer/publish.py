@@ -33,11 +33,13 @@ log = logging.getLogger(__name__)
 
 
 def full_state_dict(module: nn.Module) -> dict[str, np.ndarray]:
-    """The module's full (unsharded) state dict as numpy arrays; every rank must call it."""
+    """A snapshot of the module's full (unsharded) state dict as numpy arrays; every rank
+    must call it. Always a copy: with one process the gathered tensors can be the live
+    parameters themselves, which the next optimizer step would change under a sender."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(module, options=options)
     return {
-        k: v.detach().to(torch.float32 if v.is_floating_point() else v.dtype).contiguous().numpy()
+        k: np.array(v.detach().to(torch.float32 if v.is_floating_point() else v.dtype).numpy(), copy=True)
         for k, v in state.items()
     }
 
@@ -68,17 +70,13 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
 
-    def submit(self, version: int, arrays: dict[str, np.ndarray]) -> bool:
-        """Queue ``arrays`` as ``version`` (replacing a queued older one); False if refused."""
-        bad = [k for k, v in arrays.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
-        if bad:
-            self.refused += 1
-            log.error("version %d not published: non-finite values in %s", version, ", ".join(bad[:5]))
-            return False
+    def submit(self, version: int, arrays: dict[str, np.ndarray]) -> None:
+        """Queue a snapshot as ``version``, replacing a queued older one. The sending thread
+        refuses it (``refused``) if any value is NaN or Inf: the check reads every weight,
+        so it stays off the training loop too."""
         with contextlib.suppress(queue.Empty):
             self._queue.get_nowait()  # superseded before it was sent
         self._queue.put((version, arrays, time.time()))
-        return True
 
     def _run(self) -> None:
         while True:
@@ -87,6 +85,11 @@ class Publisher:
                 return
             version, arrays, created = item
             started = time.monotonic()
+            bad = [k for k, v in arrays.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+            if bad:
+                self.refused += 1
+                log.error("version %d not published: non-finite values in %s", version, ", ".join(bad[:5]))
+                continue
             try:
                 if self.control is not None:
                     # The gateway measures policy lag against when a version was made,
