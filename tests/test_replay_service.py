@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -310,7 +311,17 @@ def test_export_and_summary_of_a_loopgate_up_run_with_replay(tmp_path):
     """``loopgate up`` with the replay service: summary counts from its log, exports read back."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
-    cmd = ["loopgate", "up", "configs/collect_pd.yaml", "--run-dir", str(run_dir), "--max-env-steps", "600"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway",
+        "up",
+        "configs/collect_pd.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--max-env-steps",
+        "600",
+    ]
     cmd += ["--set", "replay.enabled=true", "--set", "env.workers=1", "--set", "env.num_envs=4"]
     done = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=180, cwd=Path(__file__).parents[1]
