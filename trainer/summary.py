@@ -97,6 +97,7 @@ def learning_curve(cfg: ExperimentConfig, run_dir: Path, summary: dict[str, Any]
     twin.plot(steps, ret, marker=".", color="tab:orange", alpha=0.7, label="return")
     twin.set_ylabel("evaluation return")
     ax.set_title(f"{cfg.name}: {cfg.trainer.algorithm} learning curve")
+    fig.legend(loc="lower right", bbox_to_anchor=(0.88, 0.18))
     fig.tight_layout()
     fig.savefig(run_dir / "learning_curve.png", dpi=100)
     plt.close(fig)
