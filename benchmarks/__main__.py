@@ -59,6 +59,8 @@ def _fmt(value: float | None, digits: int = 1) -> str:
         return "-"
     if abs(value) >= 1000:
         return f"{value:,.0f}"
+    if value and abs(value) < 10:
+        return f"{value:.3g}"  # a 4 ms transfer is 0.004 s, not 0.0 s
     return f"{value:.{digits}f}"
 
 

@@ -276,6 +276,44 @@ def test_the_torch_backend_serves_and_takes_both_weight_formats(tmp_path):
         s.close()
 
 
+def test_reused_transfer_buffers_never_touch_the_versions_serving(tmp_path):
+    """Split tensors are reassembled into buffers recycled from retired versions (the torch
+    backend serves straight from them): the version serving and the one before it must
+    keep their own weights while later transfers are reassembled, even refused ones."""
+    s = Server(tmp_path, "torch")
+    pub = publisher(s, bucket_bytes=1024)  # the 32x32 layers travel in slices
+    sock = s.dealer()
+
+    def deterministic(seq: int) -> np.ndarray:
+        msg = obs_request(4, seq=1)  # the same observations every time
+        msg.seq = seq
+        msg.arrays["deterministic"] = np.ones(4, bool)
+        reply = s.ask(sock, msg)
+        assert reply.type is MsgType.ACTION, reply.meta
+        return reply.arrays["action"]
+
+    try:
+        served = {}
+        for version in range(1, 7):
+            actor = make_actor(SPEC, NetworkConfig(hidden_sizes=(32, 32)), seed=100 + version)
+            assert pub.publish(state_dict_numpy(actor), version)[0]["ok"]
+            served[version] = deterministic(10 + version)
+        assert not np.allclose(served[5], served[6])
+        # Reassembled (into recycled buffers) and then refused for its last tensor.
+        bad = state_dict_numpy(make_actor(SPEC, NetworkConfig(hidden_sizes=(32, 32)), seed=999))
+        bad["head.bias"][0] = np.nan
+        with pytest.raises(RemoteError, match="NaN"):
+            pub.publish(bad, 7)
+        np.testing.assert_array_equal(deterministic(20), served[6])
+        [back] = pub.rollback()
+        assert back["version"] == 5
+        np.testing.assert_array_equal(deterministic(30), served[5])
+        assert s.metadata()["version"] == 5
+    finally:
+        pub.close()
+        s.close()
+
+
 def test_a_weights_file_that_does_not_fit_stops_the_server_with_a_config_error(tmp_path):
     path = tmp_path / "w.npz"
     np.savez(path, **{"head.bias": np.zeros(6, np.float32)})

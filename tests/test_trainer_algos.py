@@ -135,3 +135,25 @@ def test_published_weights_are_a_snapshot_not_the_live_parameters():
             p.add_(1.0)  # what the next optimizer step does in place
     for k, v in snapshot.items():
         np.testing.assert_array_equal(v, before[k])
+
+
+def test_a_snapshot_reuses_spare_buffers_and_takes_the_new_values():
+    """The publisher hands a finished publication's arrays back for the next snapshot: the
+    same memory, the current parameters, still not aliasing them."""
+    from trainer.networks import make_actor
+    from trainer.publish import full_state_dict
+
+    actor = make_actor(SPEC, NET, seed=0)
+    first = full_state_dict(actor)
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.mul_(2.0)
+    second = full_state_dict(actor, first)
+    live = {k: v.detach().numpy() for k, v in actor.state_dict().items()}
+    for k, v in second.items():
+        assert v is first[k]  # no new allocation
+        np.testing.assert_array_equal(v, live[k])
+        assert not np.shares_memory(v, live[k])
+    wrong_shape = {k: np.zeros(1, np.float32) for k in first}
+    third = full_state_dict(actor, wrong_shape)  # does not fit: fresh arrays instead
+    assert all(third[k] is not wrong_shape[k] for k in third)

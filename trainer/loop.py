@@ -143,9 +143,11 @@ class Trainer:
 
     def publish(self) -> None:
         self.c.version += 1
-        arrays = full_state_dict(self.algo.actor)  # a collective: every rank takes part
+        # A collective: every rank takes part; rank 0 copies into a spare snapshot.
         if self.publisher is not None:
-            self.publisher.submit(self.c.version, arrays)
+            self.publisher.submit(self.c.version, self.publisher.snapshot(self.algo.actor))
+        else:
+            full_state_dict(self.algo.actor)
 
     def evaluate_if_due(self) -> None:
         if self.control is None or not self.tc.eval_every or self.c.updates % self.tc.eval_every:

@@ -31,6 +31,7 @@ import shutil
 import tempfile
 import warnings
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,9 @@ class LoadedPolicy(abc.ABC):
     """One weights version, ready to run."""
 
     version: int
+    received: Mapping[str, np.ndarray] | None = None
+    """The transfer's arrays this version was loaded from, if it came over the wire; the
+    server recycles their memory once the version has retired."""
 
     @abc.abstractmethod
     def run(self, obs: dict[str, np.ndarray], eps: np.ndarray) -> np.ndarray:
@@ -85,6 +89,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def describe(self) -> dict[str, Any]:
         """Backend, device and providers, for METADATA."""
+
+    def prepare(self) -> None:  # noqa: B027 - a hook: most backends have nothing to prepare
+        """Get ready for the next version while the loader is idle."""
 
     def smoke_test(self, policy: LoadedPolicy) -> None:
         """Run a zero batch through ``policy``; refuse it unless the actions are finite and shaped right."""
@@ -225,14 +232,28 @@ class TorchBackend(Backend):
         self.expected = {
             k: (str(v.dtype).replace("torch.", ""), tuple(v.shape)) for k, v in probe.state_dict().items()
         }
+        self._skeleton: Any = None
+        """A parameterless actor built ahead of the next version (:meth:`prepare`)."""
+
+    def _meta_actor(self) -> Any:
+        """An actor on the meta device: structure only, no parameter memory."""
+        actor, self._skeleton = self._skeleton, None
+        if actor is None:
+            with self.torch.device("meta"):
+                actor = self._make_actor(self.spec, self.config.network)
+        return actor
+
+    def prepare(self) -> None:
+        # Building the module structure costs about a millisecond of Python, as much as
+        # the rest of a small network's swap: do it before the next version arrives.
+        if self._skeleton is None:
+            with self.torch.device("meta"):
+                self._skeleton = self._make_actor(self.spec, self.config.network)
 
     def _empty_actor(self) -> Any:
         """An actor with uninitialised parameters on the device (a random initialisation
         of a large network costs far more than loading the published weights)."""
-        torch = self.torch
-        with torch.device("meta"):
-            actor = self._make_actor(self.spec, self.config.network)
-        actor = actor.to_empty(device=self.device)
+        actor = self._meta_actor().to_empty(device=self.device)
         for name, buf in self.template.named_buffers():  # the action bounds
             actor.get_buffer(name).copy_(buf)
         return actor
@@ -242,8 +263,7 @@ class TorchBackend(Backend):
         tensors = {k: torch.from_numpy(_writable(v)) for k, v in arrays.items()}
         if self.device == "cpu":
             # The received arrays become the parameters themselves: no copy of the weights.
-            with torch.device("meta"):
-                actor = self._make_actor(self.spec, self.config.network)
+            actor = self._meta_actor()
             actor.load_state_dict(tensors, strict=True, assign=True)
             for name, buf in self.template.named_buffers():  # the action bounds
                 module, _, attr = name.rpartition(".")

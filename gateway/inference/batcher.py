@@ -156,8 +156,11 @@ class Batcher:
         seed: int,
         reply: Reply,
         stats: Stats,
+        retire: Callable[[LoadedPolicy], None] | None = None,
     ) -> None:
         self.current = policy
+        self.retire = retire
+        """Called (on this thread, between batches) with a version that can never serve again."""
         self.previous: LoadedPolicy | None = None
         self.action_shape, self.action_dtype = action_shape, np.dtype(action_dtype)
         self.max_batch, self.max_wait_s = max_batch, max_wait_us / 1e6
@@ -203,6 +206,8 @@ class Batcher:
             self.newest = max(self.newest, staged.policy.version)
             self.cond.notify()
         if old is not None:
+            if self.retire is not None:
+                self.retire(old.policy)  # it never served
             self.reply(
                 old.tag,
                 old.route,
@@ -246,13 +251,17 @@ class Batcher:
         if self.staged is not None:
             staged, self.staged = self.staged, None
             if staged.policy.version <= self.current.version:
+                if self.retire is not None:
+                    done.append(lambda p=staged.policy: self.retire(p))  # type: ignore[misc]
                 msg = error_message(
                     ErrorCode.STALE_VERSION.value,
                     f"version {staged.policy.version} is not newer than the version serving ({self.current.version})",
                     staged.seq,
                 )
             else:
-                self.previous, self.current = self.current, staged.policy
+                retired, self.previous, self.current = self.previous, self.current, staged.policy
+                if retired is not None and self.retire is not None:
+                    done.append(lambda p=retired: self.retire(p))  # type: ignore[misc]
                 swap_ms = (time.monotonic() - staged.t_start) * 1e3
                 with self.stats.lock:
                     self.stats.counters["swaps"] += 1
@@ -270,7 +279,10 @@ class Batcher:
             if self.previous is None:
                 msg = error_message(ErrorCode.UNAVAILABLE.value, "no previous version to roll back to", seq)
             else:
-                old, self.current, self.previous = self.current.version, self.previous, None
+                retired, self.current, self.previous = self.current, self.previous, None
+                old = retired.version
+                if self.retire is not None:
+                    done.append(lambda p=retired: self.retire(p))  # type: ignore[misc]
                 self.newest = self.current.version
                 self.stats.count(rollbacks=1)
                 log.warning("rolled back from version %d to %d", old, self.current.version)

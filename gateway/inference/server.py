@@ -42,7 +42,7 @@ import zmq
 
 from gateway.config import ConfigError, to_plain
 from gateway.episode import EnvSpec
-from gateway.inference.backends import Backend, make_backend
+from gateway.inference.backends import Backend, LoadedPolicy, make_backend
 from gateway.inference.batcher import Batcher, Request, Staged, Stats
 from gateway.inference.config import InferenceConfig, network_problems
 from gateway.inference.weights import WeightsAssembler, WeightsError, WeightsUpdate
@@ -102,6 +102,7 @@ class InferenceServer:
             seed=config.seed + index,
             reply=self.reply,
             stats=self.stats,
+            retire=self._retire,
         )
         self._ctx = context or zmq.Context.instance()
         self.socks: dict[str, zmq.Socket[Any]] = {}
@@ -254,9 +255,16 @@ class InferenceServer:
             self.stats.count(weights_received=1)
             self.loads.put(update)
 
+    def _retire(self, policy: LoadedPolicy) -> None:
+        """Batcher thread, between batches: nothing runs ``policy`` any more."""
+        if policy.received is not None:
+            self.assembler.pool.give(policy.received.values())
+            policy.received = None
+
     # ------------------------------------------------------------------ loader
 
     def _load_loop(self) -> None:
+        self.backend.prepare()
         while not self.stopping.is_set():
             try:
                 update = self.loads.get(timeout=0.5)
@@ -278,6 +286,7 @@ class InferenceServer:
                         update.arrays, update.version, finite_checked=update.finite_checked
                     )
             except WeightsError as exc:
+                self.assembler.pool.give(update.arrays.values())  # nothing will run them
                 self.stats.count(weights_refused=1)
                 self.stats.error(exc.code.value)
                 log.warning("refused weights version %d: %s", update.version, exc)
@@ -285,10 +294,12 @@ class InferenceServer:
                     TAGS["weights"], update.route, error_message(exc.code.value, exc.message, update.seq)
                 )
                 continue
+            policy.received = update.arrays
             log.info(
                 "version %d loaded in %.1f ms; swapping it in", update.version, (time.monotonic() - t0) * 1e3
             )
             self.batcher.stage(Staged(policy, TAGS["weights"], update.route, update.seq, t0))
+            self.backend.prepare()
 
     # --------------------------------------------------------------------- run
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -134,6 +135,40 @@ def transfer_messages(
     ]
 
 
+class BufferPool:
+    """Buffers that sliced tensors are reassembled into, kept from retired versions.
+
+    A fresh 200 MB allocation costs page faults worth several copies into it, every
+    publication; the server hands a version's buffers back here when it retires (two
+    swaps later, or rolled back), and the next transfer of the same shape reuses them.
+    Only arrays owning writable memory are kept: never views of received frames.
+    """
+
+    def __init__(self, per_shape: int = 2) -> None:
+        self.per_shape = per_shape
+        self._free: dict[tuple[str, tuple[int, ...]], list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        with self._lock:
+            free = self._free.get((dtype.str, shape))
+            if free:
+                return free.pop()
+        return np.empty(shape, dtype=dtype)
+
+    def give(self, arrays: Any) -> None:
+        with self._lock:
+            for arr in arrays:
+                if isinstance(arr, np.ndarray) and arr.flags.owndata and arr.flags.writeable:
+                    free = self._free.setdefault((arr.dtype.str, arr.shape), [])
+                    if len(free) < self.per_shape and not any(a is arr for a in free):
+                        free.append(arr)
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(a.nbytes for free in self._free.values() for a in free)
+
+
 @dataclass
 class _Transfer:
     meta: dict[str, Any]
@@ -151,9 +186,10 @@ class WeightsAssembler:
     buckets are then ignored).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pool: BufferPool | None = None) -> None:
         self._open: dict[bytes, _Transfer] = {}
         self._dropped: dict[bytes, str] = {}
+        self.pool = pool or BufferPool()
 
     def add(self, route: bytes, msg: Message, current_version: int) -> WeightsUpdate | None:
         meta = msg.meta
@@ -221,7 +257,7 @@ class WeightsAssembler:
             if whole is None:
                 if math.prod(shape) > (1 << 34) or any(d < 0 for d in shape):
                     raise WeightsError(ErrorCode.BAD_WEIGHTS, f"tensor {name!r}: bad shape {list(shape)}")
-                whole = state.arrays[name] = np.empty(shape, dtype=arr.dtype)
+                whole = state.arrays[name] = self.pool.take(shape, arr.dtype)
                 state.filled[name] = 0
             flat = whole.reshape(-1)
             if whole.dtype != arr.dtype or arr.ndim != 1 or offset != state.filled[name]:
