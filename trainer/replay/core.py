@@ -190,19 +190,19 @@ class ReplayBuffer:
         out: dict[str, np.ndarray] = {}
         obs_keys = [k for k in store.columns if k.startswith("obs/")]
         if cfg.item == "sequence":
-            rows = table.rows[slots]
+            at = store.locate(table.rows[slots])
             for key in store.columns:
-                out[key] = store.take(key, rows)
+                out[key] = store.take_at(key, at)
             return out
         if cfg.item == "transition":
-            rows = table.rows[slots, 0]
-            boot = table.boot[slots]
+            at = store.locate(table.rows[slots, 0])
+            at_boot = store.locate(table.boot[slots])
             for key in TRANSITION_FIELDS:
-                out[key] = store.take(key, rows)
+                out[key] = store.take_at(key, at)
             for key in obs_keys:
-                out[key] = store.take(key, rows)
+                out[key] = store.take_at(key, at)
             for key in obs_keys:
-                out["next_" + key] = store.take(key, boot)
+                out["next_" + key] = store.take_at(key, at_boot)
             out["discount"] = np.where(out["terminated"], 0.0, cfg.gamma).astype(np.float32)
             return out
         rows = table.rows[slots]  # [B, n], -1 beyond the end of the episode

@@ -102,9 +102,18 @@ class StepStore:
         self.next += n
         return g0
 
-    def take(self, key: str, rows: np.ndarray) -> np.ndarray:
-        out: np.ndarray = self.columns[key][rows % self.capacity]
+    def locate(self, rows: np.ndarray) -> np.ndarray:
+        """Positions in the ring of global ``rows``, for :meth:`take_at` on several columns."""
+        at: np.ndarray = rows % self.capacity
+        return at
+
+    def take_at(self, key: str, at: np.ndarray) -> np.ndarray:
+        # ndarray.take gathers rows about twice as fast as fancy indexing.
+        out: np.ndarray = self.columns[key].take(at, axis=0)
         return out
+
+    def take(self, key: str, rows: np.ndarray) -> np.ndarray:
+        return self.take_at(key, self.locate(rows))
 
     def __len__(self) -> int:
         return self.next - self.first
