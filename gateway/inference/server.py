@@ -45,7 +45,7 @@ from gateway.episode import EnvSpec
 from gateway.inference.backends import Backend, LoadedPolicy, make_backend
 from gateway.inference.batcher import Batcher, Request, Staged, Stats
 from gateway.inference.config import InferenceConfig, network_problems
-from gateway.inference.weights import WeightsAssembler, WeightsError, WeightsUpdate
+from gateway.inference.weights import WeightsAssembler, WeightsError
 from gateway.metrics import MetricsWriter
 from gateway.protocol import (
     ErrorCode,
@@ -59,6 +59,7 @@ from gateway.protocol import (
     send,
     unpack,
 )
+from gateway.services import freeze_heap
 from gateway.transport import CurveKeys, bind, make_socket
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ class InferenceServer:
         self._pushes: list[zmq.Socket[Any]] = []
         self._push_lock = threading.Lock()
         self.assembler = WeightsAssembler()
-        self.loads: queue.Queue[WeightsUpdate | None] = queue.Queue()
+        self.loads: queue.Queue[tuple[bytes, Message] | None] = queue.Queue()
+        """WEIGHTS buckets for the loader thread, which assembles, checks and loads them."""
         self._logged: set[tuple[bytes, str]] = set()
         self.stopping = threading.Event()
         self.failure: BaseException | None = None
@@ -246,14 +248,9 @@ class InferenceServer:
         send(self.socks[name], Message(MsgType.REPLY, seq=msg.seq, meta=result), route=[route])
 
     def _on_weights(self, route: bytes, msg: Message) -> None:
-        try:
-            update = self.assembler.add(route, msg, self.batcher.newest)
-        except WeightsError as exc:
-            self.stats.count(weights_refused=1)
-            raise exc from None
-        if update is not None:
-            self.stats.count(weights_received=1)
-            self.loads.put(update)
+        # Reassembling and checking a 32 MB bucket takes tens of milliseconds: on this
+        # thread it would hold up every request behind it, so the loader does it.
+        self.loads.put((route, msg))
 
     def _retire(self, policy: LoadedPolicy) -> None:
         """Batcher thread, between batches: nothing runs ``policy`` any more."""
@@ -263,15 +260,30 @@ class InferenceServer:
 
     # ------------------------------------------------------------------ loader
 
+    def _refuse(self, route: bytes, exc: WeightsError, seq: int) -> None:
+        self.stats.count(weights_refused=1)
+        self.stats.error(exc.code.value)
+        log.warning("refused weights from %s: %s", route.hex()[:8], exc)
+        self.reply(TAGS["weights"], route, error_message(exc.code.value, exc.message, seq))
+
     def _load_loop(self) -> None:
         self.backend.prepare()
         while not self.stopping.is_set():
             try:
-                update = self.loads.get(timeout=0.5)
+                item = self.loads.get(timeout=0.5)
             except queue.Empty:
                 continue
-            if update is None:
+            if item is None:
                 return
+            route, msg = item
+            try:
+                update = self.assembler.add(route, msg, self.batcher.newest)
+            except WeightsError as exc:
+                self._refuse(route, exc, msg.seq)
+                continue
+            if update is None:
+                continue  # more buckets to come
+            self.stats.count(weights_received=1)
             t0 = time.monotonic()
             try:
                 if update.version <= self.batcher.newest:
@@ -287,12 +299,7 @@ class InferenceServer:
                     )
             except WeightsError as exc:
                 self.assembler.pool.give(update.arrays.values())  # nothing will run them
-                self.stats.count(weights_refused=1)
-                self.stats.error(exc.code.value)
-                log.warning("refused weights version %d: %s", update.version, exc)
-                self.reply(
-                    TAGS["weights"], update.route, error_message(exc.code.value, exc.message, update.seq)
-                )
+                self._refuse(update.route, exc, update.seq)
                 continue
             policy.received = update.arrays
             log.info(
@@ -479,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
+        freeze_heap()
         server.serve()
     finally:
         with contextlib.suppress(zmq.ZMQError):
