@@ -53,6 +53,7 @@ from gateway.protocol import (
     unpack,
 )
 from gateway.recorder import Recorder
+from gateway.services import freeze_heap
 from gateway.steps import StepInfo
 from gateway.transport import CurveKeys, bind, make_socket
 
@@ -765,6 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
+        freeze_heap()
         gateway.run()
     finally:
         gateway.close()

@@ -47,6 +47,7 @@ import zmq
 from gateway import steps
 from gateway.episode import EpisodeBackend, Obs
 from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError, pack, recv, send
+from gateway.services import freeze_heap
 from gateway.transport import CurveKeys, connect, make_socket
 
 log = logging.getLogger(__name__)
@@ -445,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
+        freeze_heap()
         worker.run(max_steps=args.max_steps)
     except FatalWorkerError as exc:
         log.error("%s", exc)

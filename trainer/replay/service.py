@@ -48,6 +48,7 @@ from gateway.protocol import (
     recv_routed,
     send,
 )
+from gateway.services import freeze_heap
 from gateway.transport import CurveKeys, bind
 from trainer.replay.config import ReplayConfig
 from trainer.replay.core import ReplayBuffer, Waiting
@@ -454,6 +455,7 @@ def serve(args: argparse.Namespace) -> int:
         for src in cfg.replay.demos_from:
             result = service.ingest.import_run(src)
             log.info("demos_from %s: %s", src, result)
+        freeze_heap()
         service.run()
     finally:
         service.close()
