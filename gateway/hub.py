@@ -86,6 +86,9 @@ class WorkerSession:
     client: bytes | None = None
     env_steps: int = 0
     rtt_us: float = 0.0
+    held: bool = False
+    """Its last observation was held by a pause (sync-mode training, e-stop, budget, lag):
+    the round trip the worker reports for it measures the pause, not the data path."""
     acked_now: int = 0
     """Steps the observation being answered stored (sent back in the ACTION's meta)."""
 
@@ -272,7 +275,9 @@ class Gateway:
                 session.awaiting = msg.seq
             return
         obs, info = self._check_observation(session, msg)
-        if msg.meta.get("rtt_us"):
+        if session.held:
+            session.held = False
+        elif msg.meta.get("rtt_us"):
             session.rtt_us = float(msg.meta["rtt_us"])
             self.rtt.add(session.rtt_us)
         has_prev = info.has_prev
@@ -408,6 +413,8 @@ class Gateway:
             self.clients.forward_observation(session, msg)
         elif self.collecting and self.source is not None:
             self._submit(session)
+        else:
+            session.held = True  # answered when collection resumes
 
     def _submit(self, session: WorkerSession) -> None:
         assert self.source is not None and session.pending_obs is not None and session.awaiting is not None

@@ -212,6 +212,24 @@ def test_estop_stops_every_worker_and_release_resumes(gateway_run):
     wait_for(lambda: steps(run) > halted + 200, what="collection to resume after release")
 
 
+def test_a_pause_is_not_counted_as_round_trip_time(gateway_run):
+    """A worker's observation held over a pause gets its action 2 s later; the round trip
+    it reports for it measures the pause, so the gateway leaves it out of ``rtt``."""
+    import time
+
+    run = gateway_run()
+    run.worker(0)
+    wait_for(lambda: steps(run) > 100, what="collection")
+    run.control.request("pause")
+    time.sleep(2.0)
+    run.control.request("resume")
+    resumed = steps(run)
+    wait_for(lambda: steps(run) > resumed + 100, what="collection after the pause")
+    rtt = run.status()["rtt"]
+    assert rtt["n"] > 100
+    assert rtt["max"] < 1.5e6, rtt
+
+
 def test_collection_pauses_while_the_policy_lags_too_far_behind_the_trainer(gateway_run):
     run = gateway_run()
     run.worker(0)
