@@ -160,7 +160,8 @@ class Batcher:
     ) -> None:
         self.current = policy
         self.retire = retire
-        """Called (on this thread, between batches) with a version that can never serve again."""
+        """Called with a version that can never serve again: retired by a swap or a rollback
+        (on this thread, between batches), or superseded before it served (by ``stage``)."""
         self.previous: LoadedPolicy | None = None
         self.action_shape, self.action_dtype = action_shape, np.dtype(action_dtype)
         self.max_batch, self.max_wait_s = max_batch, max_wait_us / 1e6

@@ -253,7 +253,7 @@ class InferenceServer:
         self.loads.put((route, msg))
 
     def _retire(self, policy: LoadedPolicy) -> None:
-        """Batcher thread, between batches: nothing runs ``policy`` any more."""
+        """``policy`` will never run again (see ``Batcher.retire``): recycle its buffers."""
         if policy.received is not None:
             self.assembler.pool.give(policy.received.values())
             policy.received = None
