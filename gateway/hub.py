@@ -87,7 +87,8 @@ class WorkerSession:
     env_steps: int = 0
     rtt_us: float = 0.0
     held: bool = False
-    """Its last observation was held by a pause (sync-mode training, e-stop, budget, lag):
+    """Its last observation was held by a pause (``collecting`` false: paused, e-stop,
+    budget, lag bound, replay backpressure):
     the round trip the worker reports for it measures the pause, not the data path."""
     acked_now: int = 0
     """Steps the observation being answered stored (sent back in the ACTION's meta)."""
