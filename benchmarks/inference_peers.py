@@ -3,9 +3,11 @@
 Roles, each ``python -m benchmarks.inference_peers ROLE ...``:
 
 - ``client``: ``--clients`` closed-loop clients (``--kind loopgate|websocket|grpc``),
-  each with its own connection, in one asyncio event loop (one load-generating
-  process, as wrk or ghz do, so that on a small machine the figures are the servers'
-  and not the scheduling of many client processes). Each sends batches of
+  each with its own connection, in one load-generating process (as wrk or ghz do, so
+  that on a small machine the figures are the servers' and not the scheduling of many
+  client processes): websocket and gRPC clients in one asyncio event loop, their
+  libraries' native way, and loopgate's DEALER sockets polled by one thread, ZeroMQ's
+  (``zmq.asyncio`` costs more per message than the server does). Each sends batches of
   ``--batch`` reach observations and waits for each answer. It connects, then waits
   for the ``--go`` file (written once the clients are ready), warms up, and keeps the
   requests that start and finish inside the window the file names (``time.monotonic``
@@ -138,30 +140,6 @@ def reach_obs(batch: int, seed: int) -> dict[str, np.ndarray]:
     return {k: rng.standard_normal((batch, *a.shape)).astype(a.dtype) for k, a in spec.observation.items()}
 
 
-async def _loopgate_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
-    import zmq
-    import zmq.asyncio
-
-    from gateway.protocol import Message, MsgType, decode, encode, pack
-
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(address)
-    seq = [0]
-
-    async def call() -> None:
-        seq[0] += 1
-        msg = Message(
-            MsgType.OBSERVATION, seq=seq[0], meta={"deadline_ms": 30_000.0}, arrays=pack("obs", obs)
-        )
-        await sock.send_multipart(encode(msg), copy=False)
-        reply = decode(await asyncio.wait_for(sock.recv_multipart(copy=False), 30))
-        if reply.type is not MsgType.ACTION:
-            raise RuntimeError(f"server answered {reply.meta}")
-
-    return call
-
-
 async def _websocket_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
     from websockets.asyncio.client import connect
 
@@ -188,7 +166,8 @@ async def _grpc_caller(address: str, obs: dict[str, np.ndarray]) -> Any:
     return call
 
 
-CALLERS = {"loopgate": _loopgate_caller, "websocket": _websocket_caller, "grpc": _grpc_caller}
+CALLERS = {"websocket": _websocket_caller, "grpc": _grpc_caller}
+"""asyncio clients; ``loopgate`` has its own loop (:func:`_run_loopgate_clients`)."""
 
 
 async def _closed_loop(call: Any, window: dict[str, float], sent: list[float], latency: list[float]) -> None:
@@ -204,29 +183,110 @@ async def _closed_loop(call: Any, window: dict[str, float], sent: list[float], l
             latency.append((t1 - t0) * 1e6)
 
 
-async def _run_clients(args: argparse.Namespace) -> int:
-    calls = []
-    for i in range(args.clients):
-        call = await CALLERS[args.kind](args.connect, reach_obs(args.batch, args.seed + i))
-        await call()  # connected and served once
-        calls.append(call)
+def _window(args: argparse.Namespace) -> dict[str, float] | None:
+    """Say the clients are ready, then wait for the go file; None if it never comes."""
     Path(args.out + ".ready").write_text("ready")
     go = Path(args.go)
     give_up = time.monotonic() + 120
     while not go.exists():
         if time.monotonic() > give_up:
             log.error("no go file %s within 120 s", go)
-            return 1
-        await asyncio.sleep(0.005)
-    window = json.loads(go.read_text())
-    sent: list[float] = []
-    latency: list[float] = []
-    await asyncio.gather(*(_closed_loop(call, window, sent, latency) for call in calls))
+            return None
+        time.sleep(0.005)
+    window: dict[str, float] = json.loads(go.read_text())
+    return window
+
+
+def _save(args: argparse.Namespace, sent: list[float], latency: list[float]) -> int:
     np.savez(args.out, t_send=np.asarray(sent), latency_us=np.asarray(latency), rows=len(sent) * args.batch)
     return 0
 
 
+async def _run_clients(args: argparse.Namespace) -> int:
+    calls = []
+    for i in range(args.clients):
+        call = await CALLERS[args.kind](args.connect, reach_obs(args.batch, args.seed + i))
+        await call()  # connected and served once
+        calls.append(call)
+    window = _window(args)  # blocking: nothing else runs on this loop yet
+    if window is None:
+        return 1
+    sent: list[float] = []
+    latency: list[float] = []
+    await asyncio.gather(*(_closed_loop(call, window, sent, latency) for call in calls))
+    return _save(args, sent, latency)
+
+
+def _run_loopgate_clients(args: argparse.Namespace) -> int:
+    """The loopgate clients as ZeroMQ is used without an event loop: one DEALER per client,
+    all polled by one thread. Each request is encoded and each answer decoded in full,
+    as the other kinds pack and unpack theirs."""
+    import zmq
+
+    from gateway.protocol import Message, MsgType, decode, encode, pack
+
+    ctx = zmq.Context.instance()
+    socks, obs = [], []
+    for i in range(args.clients):
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(args.connect)
+        socks.append(sock)
+        obs.append(pack("obs", reach_obs(args.batch, args.seed + i)))
+    index = {sock: i for i, sock in enumerate(socks)}
+    seq = [0] * len(socks)
+    started = [0.0] * len(socks)
+
+    def call(i: int) -> None:
+        seq[i] += 1
+        msg = Message(MsgType.OBSERVATION, seq=seq[i], meta={"deadline_ms": 30_000.0}, arrays=obs[i])
+        started[i] = time.monotonic()
+        socks[i].send_multipart(encode(msg), copy=False)
+
+    def answer(sock: Any) -> None:
+        reply = decode(sock.recv_multipart(copy=False))
+        if reply.type is not MsgType.ACTION:
+            raise RuntimeError(f"server answered {reply.meta}")
+
+    poller = zmq.Poller()
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
+    for i, sock in enumerate(socks):  # connected and served once
+        call(i)
+        if not sock.poll(30_000):
+            raise TimeoutError("no answer from the server within 30 s")
+        answer(sock)
+    window = _window(args)
+    if window is None:
+        return 1
+    start, stop = float(window["start"]), float(window["stop"])
+    sent: list[float] = []
+    latency: list[float] = []
+    for i in range(len(socks)):
+        call(i)
+    waiting = len(socks)
+    while waiting:
+        events = poller.poll(30_000)
+        if not events:
+            raise TimeoutError("no answer from the server within 30 s")
+        for sock, _ in events:
+            answer(sock)
+            i, t1 = index[sock], time.monotonic()
+            if started[i] >= start and t1 <= stop:
+                sent.append(started[i])
+                latency.append((t1 - started[i]) * 1e6)
+            if t1 < stop:
+                call(i)
+            else:
+                waiting -= 1
+    for sock in socks:
+        sock.close()
+    return _save(args, sent, latency)
+
+
 def run_client(args: argparse.Namespace) -> int:
+    if args.kind == "loopgate":
+        return _run_loopgate_clients(args)
     return asyncio.run(_run_clients(args))
 
 
@@ -247,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
         s.add_argument("--workers", type=int, default=16, help="gRPC handler threads")
     c = sub.add_parser("client", help="closed-loop clients (one connection each) in one event loop")
-    c.add_argument("--kind", choices=sorted(CALLERS), required=True)
+    c.add_argument("--kind", choices=sorted([*CALLERS, "loopgate"]), required=True)
     c.add_argument("--connect", required=True)
     c.add_argument("--batch", type=int, required=True)
     c.add_argument("--clients", type=int, default=1, help="concurrent clients, each with its own connection")
