@@ -70,8 +70,6 @@ class WorkerSession:
     route: bytes
     num_envs: int
     last_seen: float
-    episode_numbers: np.ndarray | None = None
-    """Episode number per env of the observation waiting for an action."""
     pending_obs: dict[str, np.ndarray] | None = None
     pending_ids: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     """(episode, step, t_capture) per env of the observation waiting for an action."""
@@ -286,12 +284,11 @@ class Gateway:
         prev = self._previous(session, msg, rows) if len(rows) else None
         # Durable before any ACTION leaves: the ACTION acknowledges these steps.
         written = self._spool(session, info, rows, prev) if prev is not None else 0
-        old_episodes = session.episode_numbers
+        old_episodes = session.pending_ids[0] if session.pending_ids is not None else None
         session.last_seq = msg.seq
         session.last_reply = None
         session.pending_obs = obs
         session.pending_ids = (info.episode, info.step, info.t_capture)
-        session.episode_numbers = info.episode
         session.awaiting = msg.seq
         session.submitted = False
         session.acked_now = len(rows)

@@ -25,7 +25,6 @@ deduplicates it.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -265,17 +264,6 @@ class Recorder:
             self._append(Message(MsgType.TRAJECTORY_CHUNK, meta={"kind": "acked", "chunks": entries}))
             self._trim()
         return len(entries)
-
-    def settle(self, timeout_s: float = 30.0) -> bool:
-        """Pump until the sink acknowledged every chunk; False if ``timeout_s`` passed first."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.pump()
-            if not self._inflight and not self._ready:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
 
     @property
     def unacked_chunks(self) -> int:

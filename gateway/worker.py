@@ -214,7 +214,7 @@ class EnvWorker:
             "action": action,
             "policy_version": version,
             "t_action": np.full(n, float(action_msg.meta.get("t_action", time.time()))),
-            "t_capture": obs_msg.arrays["step_info"][:, steps.COLUMNS.index("t_capture")].copy(),
+            "t_capture": steps.StepInfo(obs_msg.arrays["step_info"]).t_capture.copy(),
             "episode": old_episode,
             "step": old_step,
         }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -41,6 +43,16 @@ def batch(step, episodes, worker="w1"):
     )
 
 
+def settle(rec, timeout_s=30.0):
+    """Pump until the sink (writing on its own thread) acknowledged every chunk so far."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rec.pump()  # submits every ready chunk first
+        if rec.unacked_chunks == 0 or time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
+
+
 def make(tmp, sink_cls=StoreSink, **kw):
     return Recorder(tmp / "spool", sink_cls(EpisodeStore(tmp / "episodes")), chunk_steps=4, **kw)
 
@@ -49,9 +61,9 @@ def test_chunks_hold_consecutive_steps_and_end_with_the_episode(tmp_path):
     rec = make(tmp_path)
     for s in range(10):
         assert rec.record(**batch(s, ["a", "b"])) == 2
-        rec.settle()
+        settle(rec)
     rec.end("a", "truncated", {"q": np.ones(3, np.float32)})
-    rec.settle()
+    settle(rec)
     store = EpisodeStore(tmp_path / "episodes", readonly=True)
     chunks = list(store.chunks())
     for c in chunks:
@@ -71,7 +83,7 @@ def test_resent_steps_are_acknowledged_but_stored_once(tmp_path):
     assert rec.counters.duplicate_resends == 1
     rec.end("a", "terminated")
     assert rec.record(**batch(1, ["a"])) == 0  # even after the episode closed
-    rec.settle()
+    settle(rec)
     count = EpisodeStore(tmp_path / "episodes", readonly=True).count()
     assert count.stored_steps == 2 and count.duplicate_steps == 0
 
@@ -91,7 +103,7 @@ def test_restart_without_acks_resends_the_same_chunks_and_the_store_dedups(tmp_p
     assert again.record(**batch(9, ["b"])) == 0  # the worker resends its last step
     assert again.record(**batch(10, ["b"])) == 1
     again.drain()
-    again.settle()
+    settle(again)
     count = EpisodeStore(tmp_path / "episodes", readonly=True).count()
     assert count.stored_steps == 21 and count.duplicate_steps == 0
     assert count.completed_episodes == 1 and count.interrupted_episodes == 1
@@ -101,14 +113,14 @@ def test_restart_after_acks_across_segments_loses_and_repeats_nothing(tmp_path):
     rec = make(tmp_path, segment_bytes=3000)
     for s in range(30):
         rec.record(**batch(s, ["a", "b", "c"]))
-        rec.settle()
+        settle(rec)
     assert len(rec.spool_segments()) < 4  # acknowledged segments are trimmed
     again = make(tmp_path, segment_bytes=3000)
     again.recover()
     for s in range(30, 35):
         again.record(**batch(s, ["a", "b", "c"]))
     again.drain()
-    again.settle()
+    settle(again)
     count = EpisodeStore(tmp_path / "episodes", readonly=True).count()
     assert count.stored_steps == 3 * 35 and count.duplicate_steps == 0
     for episode in EpisodeStore(tmp_path / "episodes", readonly=True).episodes():
@@ -121,7 +133,7 @@ def test_interrupting_a_worker_keeps_its_steps(tmp_path):
         rec.record(**batch(s, ["a"], worker="w1"))
         rec.record(**batch(s, ["z"], worker="w2"))
     assert rec.interrupt("w1") == 1
-    rec.settle()
+    settle(rec)
     assert set(rec.open) == {"z"}
     (a,) = EpisodeStore(tmp_path / "episodes", readonly=True).episodes()
     assert a.end == "interrupted" and a.num_steps == 3

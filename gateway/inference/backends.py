@@ -224,23 +224,20 @@ class TorchBackend(Backend):
         if config.threads and self.device == "cpu":
             torch.set_num_threads(config.threads)
         self.template = make_actor(spec, config.network)
-        # Building a network on the meta device imports torch's compiler stack the first
-        # time (about a second): pay it at start-up, not in the first weight swap.
-        with torch.device("meta"):
-            make_actor(spec, config.network)
-        probe = self.template
         self.expected = {
-            k: (str(v.dtype).replace("torch.", ""), tuple(v.shape)) for k, v in probe.state_dict().items()
+            k: (str(v.dtype).replace("torch.", ""), tuple(v.shape))
+            for k, v in self.template.state_dict().items()
         }
         self._skeleton: Any = None
         """A parameterless actor built ahead of the next version (:meth:`prepare`)."""
+        # The first network built on the meta device imports torch's compiler stack
+        # (about a second): pay it at start-up, not in the first weight swap.
+        self.prepare()
 
     def _meta_actor(self) -> Any:
         """An actor on the meta device: structure only, no parameter memory."""
+        self.prepare()
         actor, self._skeleton = self._skeleton, None
-        if actor is None:
-            with self.torch.device("meta"):
-                actor = self._make_actor(self.spec, self.config.network)
         return actor
 
     def prepare(self) -> None:

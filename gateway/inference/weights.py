@@ -164,10 +164,6 @@ class BufferPool:
                     if len(free) < self.per_shape and not any(a is arr for a in free):
                         free.append(arr)
 
-    def held_bytes(self) -> int:
-        with self._lock:
-            return sum(a.nbytes for free in self._free.values() for a in free)
-
 
 @dataclass
 class _Transfer:
