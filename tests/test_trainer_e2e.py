@@ -68,13 +68,22 @@ def up(path: Path, run: Path, *extra: str) -> subprocess.Popen[str]:
     )
 
 
-def finish(proc: subprocess.Popen[str], timeout: float = 420) -> str:
+def finish(proc: subprocess.Popen[str], run: Path, timeout: float = 420) -> tuple[str, dict]:
+    """Wait for ``loopgate up`` to end; its output and the run's summary, which must say completed."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
-    return out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outcome"] == "completed", out[-3000:]
+    return out, summary
+
+
+def pid_of(pattern: str) -> int:
+    """The first process whose command line matches ``pattern`` (``pgrep -f``)."""
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    return int(found.stdout.split()[0])
 
 
 def trainer_records(run: Path) -> list[dict]:
@@ -85,9 +94,7 @@ def trainer_records(run: Path) -> list[dict]:
 
 def test_up_trains_publishes_evaluates_and_plots(tmp_path):
     run = tmp_path / "run"
-    out = finish(up(config(tmp_path, max_updates=80), run))
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["outcome"] == "completed", out[-3000:]
+    _, summary = finish(up(config(tmp_path, max_updates=80), run), run)
     for key in ("eval_success_rate", "eval_return", "policy_version", "policy_lag_mean", "policy_lag_p99"):
         assert summary[key] is not None, key
     assert summary["policy_version"] >= 8  # 80 updates / 10, plus the initial and final versions
@@ -114,11 +121,7 @@ def test_trainer_killed_mid_run_resumes_and_versions_never_go_backwards(tmp_path
             timeout=300,
             what="a checkpoint and 50 updates",
         )
-        pid = int(
-            subprocess.run(
-                ["pgrep", "-f", f"torch.distributed.run.*{run}"], capture_output=True, text=True
-            ).stdout.split()[0]
-        )
+        pid = pid_of(f"torch.distributed.run.*{run}")
         steps_at_kill = max(r.get("env_steps", 0) for r in read_metrics(run / "metrics.jsonl"))
         os.kill(pid, signal.SIGKILL)
         wait_for(
@@ -129,9 +132,7 @@ def test_trainer_killed_mid_run_resumes_and_versions_never_go_backwards(tmp_path
     except BaseException:
         proc.kill()
         raise
-    out = finish(proc)
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["outcome"] == "completed", out[-3000:]
+    out, summary = finish(proc, run)
     assert "trainer exited with" in out and "restart 1/" in out
     assert summary["env_steps"] > steps_at_kill  # collection went on
     published = [
@@ -158,18 +159,12 @@ def test_an_inference_server_that_misses_publications_catches_up(tmp_path):
     proc = up(path, run)
     try:
         wait_for(lambda: any(r["version"] >= 3 for r in trainer_records(run)), timeout=300, what="version 3")
-        pid = int(
-            subprocess.run(
-                ["pgrep", "-f", f"gateway.inference.*{run}.*--index 1"], capture_output=True, text=True
-            ).stdout.split()[0]
-        )
+        pid = pid_of(f"gateway.inference.*{run}.*--index 1")
         os.kill(pid, signal.SIGKILL)
     except BaseException:
         proc.kill()
         raise
-    out = finish(proc)
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["outcome"] == "completed", out[-3000:]
+    out, summary = finish(proc, run)
     assert "inference-1 exited with" in out
     final = summary["inference"]
     assert final["inference-1"]["version"] == final["inference-0"]["version"] == summary["policy_version"]
@@ -180,7 +175,7 @@ def test_the_main_job_learns_to_reach(tmp_path):
     """The demo config, shortened by an update budget (not a clock): seeded SAC through the
     whole loop must end far above the untrained policy's evaluation."""
     run = tmp_path / "run"
-    out = finish(
+    _, summary = finish(
         up(
             REPO / "configs" / "reach_sim.yaml",
             run,
@@ -193,10 +188,9 @@ def test_the_main_job_learns_to_reach(tmp_path):
             "--set",
             "run.max_env_steps=150000",
         ),
+        run,
         timeout=1500,
     )
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["outcome"] == "completed", out[-3000:]
     rounds = [
         r["eval"]
         for r in read_metrics(run / "metrics.jsonl")
@@ -220,9 +214,7 @@ def test_sync_mode_alternates_collection_and_training(tmp_path):
         eval_every=0,
         final_eval_episodes=0,
     )
-    out = finish(up(path, run))
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["outcome"] == "completed", out[-3000:]
+    _, summary = finish(up(path, run), run)
     records = trainer_records(run)
     assert records[-1]["updates"] >= 90
     # Collection moves in rounds of collect_steps (the gateway's budget is raised round by
