@@ -20,7 +20,7 @@ from gateway.inference.config import NetworkConfig
 from sim_bridges.reach import ReachTask
 from trainer import checkpoint
 from trainer.algos import make_algorithm
-from trainer.distributed import init_distributed, shutdown
+from trainer.distributed import barrier, init_distributed, shutdown
 from trainer.publish import full_state_dict
 
 
@@ -67,6 +67,9 @@ def main() -> None:
                 }
             )
         )
+    # Both ranks tear the group down together: a rank that destroys it while its peer
+    # is still finishing can abort in gloo's teardown (seen about once in 20 runs).
+    barrier()
     shutdown()
 
 
