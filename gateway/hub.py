@@ -279,8 +279,10 @@ class Gateway:
         elif msg.meta.get("rtt_us"):
             session.rtt_us = float(msg.meta["rtt_us"])
             self.rtt.add(session.rtt_us)
-        has_prev = info.has_prev
-        rows = np.flatnonzero(has_prev)
+        # Once draining, every episode has been flushed: a step completed now (by an action
+        # sent before the drain) could not reach the store, so it is neither recorded nor
+        # acknowledged, like one completed in an episode the drain closed.
+        rows = np.flatnonzero(info.has_prev) if not self.draining else np.empty(0, np.int64)
         prev = self._previous(session, msg, rows) if len(rows) else None
         # Durable before any ACTION leaves: the ACTION acknowledges these steps.
         written = self._spool(session, info, rows, prev) if prev is not None else 0

@@ -235,6 +235,46 @@ def test_a_pause_is_not_counted_as_round_trip_time(gateway_run):
     assert rtt["max"] < 1.5e6, rtt
 
 
+def test_a_step_completed_after_the_drain_is_neither_recorded_nor_acknowledged(gateway_run):
+    """An observation in flight when the run drains completes a step whose episode the drain
+    can no longer flush: counting it as acknowledged would report it lost. A raw worker
+    makes the timing exact: its first step lands right after the drain."""
+    import time
+
+    from gateway import steps as step_info
+    from gateway.registry import experiment_spec
+
+    run = gateway_run()
+    spec = experiment_spec("mujoco_reach", {})
+    peer = raw_peer(run.endpoints["workers"])
+
+    def ask(msg: Message) -> Message:
+        send(peer, msg)
+        assert peer.poll(5000), f"no answer to {msg.type.name}"
+        return recv(peer)
+
+    def observation(seq: int, step: int) -> Message:
+        info = step_info.pack(
+            episode=0, step=step, t_capture=time.time(), has_prev=float(step > 0),
+            reward=0.0, terminated=0.0, truncated=0.0, success=0.0,
+        )  # fmt: skip
+        arrays = {**{f"obs/{k}": v for k, v in spec.zeros(1).items()}, "step_info": info}
+        return Message(MsgType.OBSERVATION, seq=seq, meta={"uid": "probe"}, arrays=arrays)
+
+    try:
+        hello = Message(MsgType.HELLO, meta={"uid": "probe", "num_envs": 1, "spec": spec.to_dict()})
+        assert ask(hello).type is MsgType.WELCOME
+        assert ask(observation(1, 0)).type is MsgType.ACTION  # the action of step 0 is out
+        drained = run.drain()
+        send(peer, observation(2, 1))  # ... and step 0 completes after the drain
+        assert ask(Message(MsgType.HEARTBEAT)).type is MsgType.HEARTBEAT  # handled in order
+        status = run.status()
+    finally:
+        peer.close()
+    stored = EpisodeStore(run.run_dir / "episodes", readonly=True).count().stored_steps
+    assert status["acked_steps"] == drained["acked_steps"] == stored
+
+
 def test_collection_pauses_while_the_policy_lags_too_far_behind_the_trainer(gateway_run):
     run = gateway_run()
     run.worker(0)
