@@ -21,6 +21,12 @@ def steps(run) -> int:
     return int(run.status()["env_steps"])
 
 
+def every_worker_stepped(run, workers: int, at_least: int) -> bool:
+    """True once ``workers`` workers are registered and each has made ``at_least`` env steps."""
+    sessions = run.status()["workers"]
+    return len(sessions) == workers and all(s["env_steps"] >= at_least for s in sessions)
+
+
 def raw_peer(address: str) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
@@ -110,7 +116,7 @@ def test_worker_killed_mid_episode_leaves_interrupted_episodes_with_their_steps(
         }
     )
     victim, survivor = run.worker(0), run.worker(1)
-    wait_for(lambda: steps(run) >= 300, what="steps before the kill")
+    wait_for(lambda: every_worker_stepped(run, 2, 100), what="both workers stepping before the kill")
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     wait_for(
@@ -130,13 +136,16 @@ def test_worker_killed_mid_episode_leaves_interrupted_episodes_with_their_steps(
 def test_gateway_killed_and_restarted_workers_reconnect_nothing_lost_or_doubled(gateway_run):
     run = gateway_run()
     workers = [run.worker(0), run.worker(1)]
-    wait_for(lambda: steps(run) >= 400, what="steps before the kill")
+    # Both workers must be streaming before the kill (on a loaded machine one can
+    # make all the steps while the other still starts), and both must come back.
+    wait_for(lambda: every_worker_stepped(run, 2, 200), what="both workers stepping before the kill")
     run.kill()
-    acked_before = None
     run.start()
     acked_before = run.status()["acked_steps"]
     assert acked_before >= 400  # recovered from the spool
-    wait_for(lambda: steps(run) >= acked_before + 400, timeout=60, what="workers to reconnect and continue")
+    wait_for(
+        lambda: every_worker_stepped(run, 2, 200), timeout=60, what="both workers to reconnect and continue"
+    )
     assert all(w.poll() is None for w in workers), "workers must reconnect by themselves, not restart"
     final = run.drain()
     count = EpisodeStore(run.run_dir / "episodes", readonly=True).count()
@@ -197,7 +206,7 @@ def test_binding_beyond_loopback_without_keys_is_refused():
 def test_estop_stops_every_worker_and_release_resumes(gateway_run):
     run = gateway_run()
     workers = [run.worker(0), run.worker(1)]
-    wait_for(lambda: len(run.status()["workers"]) == 2 and steps(run) > 200, what="two workers streaming")
+    wait_for(lambda: every_worker_stepped(run, 2, 100), what="two workers streaming")
     reply = run.control.request("estop", engaged=True, reason="operator")
     assert reply == {"estopped": True, "workers": 2}
     halted = steps(run)
