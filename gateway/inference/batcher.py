@@ -1,14 +1,20 @@
-"""Dynamic batching and weight swaps on the inference thread of a server.
+"""Dynamic batching and weight swaps, driven by the server's socket thread.
 
-The socket thread :meth:`~Batcher.put` s validated requests; the inference thread
-(:meth:`Batcher.run`) takes the oldest request, waits up to ``max_wait_us`` for others
-to join it (from any gateway) until ``max_batch`` rows are queued, runs one forward
-pass and hands each request its rows through ``reply``. A request whose deadline
-passed before or during its batch gets ``deadline_exceeded`` instead of a late action.
+The socket thread :meth:`~Batcher.put` s validated requests as they arrive. A batch is
+:meth:`~Batcher.due` once ``max_batch`` rows are queued, the oldest request has waited
+``max_wait_us``, or no request is on its way (:class:`Arrivals`); then the socket
+thread takes it (:meth:`~Batcher.take_batch`), runs one forward pass over it
+(:meth:`~Batcher.serve`) and hands each request its rows through ``reply``. Requests
+that arrive meanwhile wait in ZeroMQ's queue and make up the next batch. Serving on
+the thread that receives costs no hand-over between threads per batch and no hop per
+answer: with the interpreter lock, those cost more than the batch itself on a CPU. A
+request whose deadline passed before or during its batch gets ``deadline_exceeded``
+instead of a late action.
 
-Weight changes happen here too, between two batches: a version the loader thread
-built (:meth:`~Batcher.stage`) or a rollback (:meth:`~Batcher.request_rollback`) is a
-pointer swap, so no request waits for a load; the loader never blocks serving.
+Weight changes happen between two batches: a version the loader thread built
+(:meth:`~Batcher.stage`) or a rollback (:meth:`~Batcher.request_rollback`) is a
+pointer swap when :meth:`~Batcher.apply_changes` runs, so no request waits for a load;
+the loader never blocks serving.
 """
 
 from __future__ import annotations
@@ -142,7 +148,11 @@ class Arrivals:
 
 
 class Batcher:
-    """The request queue, the serving version and the inference loop."""
+    """The request queue, the serving version and one batch at a time.
+
+    Everything but :meth:`stage` runs on the socket thread; :meth:`stage` (the loader
+    thread) and :meth:`apply_changes` share the staged version under ``lock``.
+    """
 
     def __init__(
         self,
@@ -161,14 +171,14 @@ class Batcher:
         self.current = policy
         self.retire = retire
         """Called with a version that can never serve again: retired by a swap or a rollback
-        (on this thread, between batches), or superseded before it served (by ``stage``)."""
+        (between batches), or superseded before it served (by ``stage``)."""
         self.previous: LoadedPolicy | None = None
         self.action_shape, self.action_dtype = action_shape, np.dtype(action_dtype)
         self.max_batch, self.max_wait_s = max_batch, max_wait_us / 1e6
         self.max_queue_rows = max_queue_rows
         self.reply, self.stats = reply, stats
         self.rng = np.random.default_rng(seed)
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
         self.queue: deque[Request] = deque()
         self.queued_rows = 0
         self.arrivals = Arrivals()
@@ -176,36 +186,59 @@ class Batcher:
         self.newest = policy.version
         """Newest version serving or staged; a publication must be newer (reset by a rollback)."""
         self.rollback: tuple[bytes, bytes, int] | None = None
-        self.stopping = False
-
-    # ----------------------------------------------------------- socket thread
 
     @property
     def version(self) -> int:
         return self.current.version
 
+    # ------------------------------------------------------------------ queue
+
     def put(self, request: Request) -> bool:
         """Queue a request; ``False`` when the queue is full (the caller answers ``unavailable``)."""
-        with self.cond:
-            if self.queued_rows + request.rows > self.max_queue_rows and self.queue:
-                return False
-            self.queue.append(request)
-            self.queued_rows += request.rows
-            self.arrivals.arrived(request.route, request.t_recv)
-            self.cond.notify()
+        if self.queued_rows + request.rows > self.max_queue_rows and self.queue:
+            return False
+        self.queue.append(request)
+        self.queued_rows += request.rows
+        self.arrivals.arrived(request.route, request.t_recv)
         return True
 
     def depth(self) -> tuple[int, int]:
         """(queued requests, queued rows)."""
-        with self.cond:
-            return len(self.queue), self.queued_rows
+        return len(self.queue), self.queued_rows
+
+    def due(self, now: float) -> float | None:
+        """Seconds until the next batch should leave (0: now); None with nothing queued.
+
+        A young batch waits for more rows until ``max_batch``, the oldest request's
+        ``max_wait_us``, or until no request is to be expected (:class:`Arrivals`).
+        """
+        if not self.queue:
+            return None
+        remaining = self.queue[0].t_recv + self.max_wait_s - now
+        if self.queued_rows >= self.max_batch or remaining <= 0 or not self.arrivals.expected(now):
+            return 0.0
+        return remaining
+
+    def take_batch(self) -> list[Request]:
+        """The oldest requests, up to ``max_batch`` rows (at least one request)."""
+        batch: list[Request] = []
+        rows = 0
+        while self.queue and (not batch or rows + self.queue[0].rows <= self.max_batch):
+            request = self.queue.popleft()
+            self.queued_rows -= request.rows
+            # Counted as answered now: its peer's next request follows the answer.
+            self.arrivals.answered(request.route)
+            batch.append(request)
+            rows += request.rows
+        return batch
+
+    # --------------------------------------------------------------- versions
 
     def stage(self, staged: Staged) -> None:
         """Swap ``staged`` in before the next batch (a newer one replaces an older one)."""
-        with self.cond:
+        with self.lock:
             old, self.staged = self.staged, staged
             self.newest = max(self.newest, staged.policy.version)
-            self.cond.notify()
         if old is not None:
             if self.retire is not None:
                 self.retire(old.policy)  # it never served
@@ -220,105 +253,59 @@ class Batcher:
             )
 
     def request_rollback(self, tag: bytes, route: bytes, seq: int) -> None:
-        with self.cond:
-            self.rollback = (tag, route, seq)
-            self.cond.notify()
+        self.rollback = (tag, route, seq)
 
-    def stop(self) -> None:
-        with self.cond:
-            self.stopping = True
-            self.cond.notify_all()
-
-    # -------------------------------------------------------- inference thread
-
-    def run(self) -> None:
-        """The inference loop; returns after :meth:`stop`."""
-        while True:
-            with self.cond:
-                while not (self.queue or self.staged or self.rollback or self.stopping):
-                    self.cond.wait(0.5)
-                if self.stopping:
-                    return
-                changes = self._take_changes()
-                batch = self._take_batch() if self.queue else []
-            for change in changes:
-                change()
-            if batch:
-                self._serve(batch)
-
-    def _take_changes(self) -> list[Callable[[], None]]:
-        """Swap in staged weights or roll back (lock held); the answers are sent after."""
-        done: list[Callable[[], None]] = []
-        if self.staged is not None:
+    def apply_changes(self) -> None:
+        """Swap in staged weights or roll back, between two batches, and answer who asked."""
+        with self.lock:
             staged, self.staged = self.staged, None
-            if staged.policy.version <= self.current.version:
-                if self.retire is not None:
-                    done.append(lambda p=staged.policy: self.retire(p))  # type: ignore[misc]
-                msg = error_message(
-                    ErrorCode.STALE_VERSION.value,
-                    f"version {staged.policy.version} is not newer than the version serving ({self.current.version})",
-                    staged.seq,
-                )
-            else:
-                retired, self.previous, self.current = self.previous, self.current, staged.policy
-                if retired is not None and self.retire is not None:
-                    done.append(lambda p=retired: self.retire(p))  # type: ignore[misc]
-                swap_ms = (time.monotonic() - staged.t_start) * 1e3
-                with self.stats.lock:
-                    self.stats.counters["swaps"] += 1
-                    self.stats.swap_ms.add(swap_ms)
-                log.info("now serving version %d (previous %d)", self.current.version, self.previous.version)
-                meta = {
-                    "version": self.current.version,
-                    "previous": self.previous.version,
-                    "swap_ms": swap_ms,
-                }
-                msg = Message(MsgType.WEIGHTS_ACK, seq=staged.seq, meta=meta)
-            done.append(lambda s=staged, m=msg: self.reply(s.tag, s.route, m))  # type: ignore[misc]
+        if staged is not None:
+            self._swap(staged)
         if self.rollback is not None:
             (tag, route, seq), self.rollback = self.rollback, None
-            if self.previous is None:
-                msg = error_message(ErrorCode.UNAVAILABLE.value, "no previous version to roll back to", seq)
-            else:
-                retired, self.current, self.previous = self.current, self.previous, None
-                old = retired.version
-                if self.retire is not None:
-                    done.append(lambda p=retired: self.retire(p))  # type: ignore[misc]
+            self._roll_back(tag, route, seq)
+
+    def _swap(self, staged: Staged) -> None:
+        if staged.policy.version <= self.current.version:
+            if self.retire is not None:
+                self.retire(staged.policy)
+            msg = error_message(
+                ErrorCode.STALE_VERSION.value,
+                f"version {staged.policy.version} is not newer than the version serving ({self.current.version})",
+                staged.seq,
+            )
+        else:
+            retired, self.previous, self.current = self.previous, self.current, staged.policy
+            if retired is not None and self.retire is not None:
+                self.retire(retired)
+            swap_ms = (time.monotonic() - staged.t_start) * 1e3
+            with self.stats.lock:
+                self.stats.counters["swaps"] += 1
+                self.stats.swap_ms.add(swap_ms)
+            log.info("now serving version %d (previous %d)", self.current.version, self.previous.version)
+            meta = {"version": self.current.version, "previous": self.previous.version, "swap_ms": swap_ms}
+            msg = Message(MsgType.WEIGHTS_ACK, seq=staged.seq, meta=meta)
+        self.reply(staged.tag, staged.route, msg)
+
+    def _roll_back(self, tag: bytes, route: bytes, seq: int) -> None:
+        if self.previous is None:
+            msg = error_message(ErrorCode.UNAVAILABLE.value, "no previous version to roll back to", seq)
+        else:
+            retired, self.current, self.previous = self.current, self.previous, None
+            if self.retire is not None:
+                self.retire(retired)
+            with self.lock:
                 self.newest = self.current.version
-                self.stats.count(rollbacks=1)
-                log.warning("rolled back from version %d to %d", old, self.current.version)
-                msg = Message(
-                    MsgType.REPLY, seq=seq, meta={"version": self.current.version, "rolled_back_from": old}
-                )
-            done.append(lambda t=tag, r=route, m=msg: self.reply(t, r, m))  # type: ignore[misc]
-        return done
+            self.stats.count(rollbacks=1)
+            log.warning("rolled back from version %d to %d", retired.version, self.current.version)
+            msg = Message(
+                MsgType.REPLY,
+                seq=seq,
+                meta={"version": self.current.version, "rolled_back_from": retired.version},
+            )
+        self.reply(tag, route, msg)
 
-    def _wait_for_more(self) -> None:
-        """Let a young batch grow (lock held) until ``max_batch`` rows, the oldest request's
-        ``max_wait_us``, or no request is to be expected (:class:`Arrivals`)."""
-        flush_at = self.queue[0].t_recv + self.max_wait_s
-        while self.queued_rows < self.max_batch and not self.stopping:
-            now = time.monotonic()
-            remaining = flush_at - now
-            if remaining <= 0 or self.staged is not None or self.rollback is not None:
-                return
-            if not self.arrivals.expected(now):
-                return
-            self.cond.wait(remaining)
-
-    def _take_batch(self) -> list[Request]:
-        self._wait_for_more()
-        batch: list[Request] = []
-        rows = 0
-        while self.queue and (not batch or rows + self.queue[0].rows <= self.max_batch):
-            request = self.queue.popleft()
-            self.queued_rows -= request.rows
-            # Counted as answered now: its answer may reach the peer, and the peer's next
-            # request arrive, before this thread gets back here.
-            self.arrivals.answered(request.route)
-            batch.append(request)
-            rows += request.rows
-        return batch
+    # ------------------------------------------------------------------ serve
 
     def _expire(self, request: Request, now: float, when: str) -> None:
         late_ms = (now - request.deadline) * 1e3
@@ -333,7 +320,8 @@ class Batcher:
             ),
         )
 
-    def _serve(self, batch: list[Request]) -> None:
+    def serve(self, batch: list[Request]) -> None:
+        """One forward pass over ``batch``; every request gets its rows or a typed error."""
         now = time.monotonic()
         live = []
         for request in batch:

@@ -13,12 +13,12 @@ Three ROUTER sockets (addresses in ``endpoints.json`` under ``inference[i]``):
 - ``control``: METADATA -> REPLY (spec, backend, providers, device, version, queue
   depth, counters); COMMAND ``status`` | ``rollback`` | ``shutdown``.
 
-Three threads: this socket thread only receives, validates and forwards answers, so
-receiving never stalls; the inference thread batches and runs the network
-(:mod:`gateway.inference.batcher`); the loader thread validates and builds new
-versions. Answers come back to the socket thread over an ``inproc`` socket without
-copies. Counters and latency histograms go to ``<run>/metrics.jsonl`` as
-``inference-<i>``::
+Two threads. The socket thread receives and validates requests, and when a batch is
+due runs it and answers straight away (:mod:`gateway.inference.batcher`); requests
+arriving meanwhile queue in ZeroMQ and form the next batch. The loader thread
+assembles, validates and builds new versions, so a publication never holds up
+serving; its answers reach the socket thread over an ``inproc`` socket without copies.
+Counters and latency histograms go to ``<run>/metrics.jsonl`` as ``inference-<i>``::
 
     python -m gateway.inference --config configs/reach_sim.yaml --run-dir runs/inf --index 0
 """
@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import queue
 import signal
 import sys
@@ -67,6 +68,8 @@ log = logging.getLogger(__name__)
 SOCKETS = ("requests", "weights", "control")
 TAGS = {name: name[0].encode() for name in SOCKETS}
 SWITCH_INTERVAL_S = 0.0002
+WAKE = b"w"
+"""A one-frame message on the ``inproc`` socket: the loader staged a version."""
 MAX_QUEUE_BATCHES = 64
 """Queued rows beyond ``max_batch * this`` are refused with ``unavailable`` (backpressure)."""
 
@@ -118,6 +121,7 @@ class InferenceServer:
         self._pull = make_socket(self._ctx, zmq.PULL, rcvhwm=0)
         self._pull.bind(self._inproc)
         self._local = threading.local()
+        self._socket_thread = threading.get_ident()
         self._pushes: list[zmq.Socket[Any]] = []
         self._push_lock = threading.Lock()
         self.assembler = WeightsAssembler()
@@ -138,7 +142,17 @@ class InferenceServer:
     # ----------------------------------------------------------------- answers
 
     def reply(self, tag: bytes, route: bytes, msg: Message) -> None:
-        """Queue an answer from any thread; the socket thread sends it."""
+        """Answer from any thread: sent at once on the socket thread, queued for it elsewhere."""
+        if threading.get_ident() == self._socket_thread:
+            self._by_tag[tag].send_multipart([route, *encode(msg)], copy=False)
+            return
+        self._push([tag, route, *encode(msg)])
+
+    def _wake(self) -> None:
+        """Make the socket thread look at the batcher (a version was staged)."""
+        self._push([WAKE])
+
+    def _push(self, frames: list[Any]) -> None:
         push = getattr(self._local, "push", None)
         if push is None:
             push = make_socket(self._ctx, zmq.PUSH, sndhwm=0)
@@ -146,15 +160,17 @@ class InferenceServer:
             with self._push_lock:
                 self._pushes.append(push)
             self._local.push = push
-        push.send_multipart([tag, route, *encode(msg)], copy=False)
+        push.send_multipart(frames, copy=False)
 
     def _forward(self) -> None:
         for _ in range(1000):
             try:
-                tag, route, *frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                tag, *rest = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._by_tag[tag.bytes].send_multipart([route, *frames], copy=False)
+            if rest:  # else a wake-up: the loop applies staged versions after this
+                route, *frames = rest
+                self._by_tag[tag.bytes].send_multipart([route, *frames], copy=False)
 
     def _error(self, name: str, route: bytes, exc: ProtocolError, seq: int = 0) -> None:
         self.stats.error(exc.code.value)
@@ -306,6 +322,7 @@ class InferenceServer:
                 "version %d loaded in %.1f ms; swapping it in", update.version, (time.monotonic() - t0) * 1e3
             )
             self.batcher.stage(Staged(policy, TAGS["weights"], update.route, update.seq, t0))
+            self._wake()
             self.backend.prepare()
 
     # --------------------------------------------------------------------- run
@@ -336,26 +353,26 @@ class InferenceServer:
             try:
                 target()
             except BaseException as exc:  # a bug: stop the process loudly, the supervisor restarts it
-                log.exception("inference thread failed")
+                log.exception("the %s thread failed", threading.current_thread().name)
                 self.failure = exc
                 self.stopping.set()
 
         return run
 
     def serve(self, stop: threading.Event | None = None) -> None:
-        threads = [
-            threading.Thread(target=self._guarded(self.batcher.run), name="inference", daemon=True),
-            threading.Thread(target=self._guarded(self._load_loop), name="loader", daemon=True),
-        ]
-        for t in threads:
-            t.start()
+        self._socket_thread = threading.get_ident()
+        loader = threading.Thread(target=self._guarded(self._load_loop), name="loader", daemon=True)
+        loader.start()
         poller = zmq.Poller()
         for sock in (self._pull, *self.socks.values()):
             poller.register(sock, zmq.POLLIN)
+        batcher = self.batcher
         next_metrics = time.monotonic()
         try:
             while not self.stopping.is_set() and not (stop is not None and stop.is_set()):
-                events = dict(poller.poll(100))
+                wait = batcher.due(time.monotonic())
+                # Poll at least until the next batch is due; a request arriving ends it sooner.
+                events = dict(poller.poll(100 if wait is None else math.ceil(wait * 1e3)))
                 if self._pull in events:
                     self._forward()
                 for name, sock in self.socks.items():
@@ -364,16 +381,16 @@ class InferenceServer:
                             self._on_message(name)
                             if not sock.poll(0):
                                 break
-                        self._forward()
+                batcher.apply_changes()
+                if batcher.due(time.monotonic()) == 0:
+                    batcher.serve(batcher.take_batch())
                 now = time.monotonic()
                 if now >= next_metrics:
                     self.emit_metrics()
                     next_metrics = now + self.config.metrics_interval_s
         finally:
-            self.batcher.stop()
             self.loads.put(None)
-            for t in threads:
-                t.join(timeout=5.0)
+            loader.join(timeout=5.0)
             self._forward()
             self.emit_metrics()
 
@@ -471,8 +488,8 @@ def build_server(args: argparse.Namespace) -> InferenceServer:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # The socket and inference threads hand work to each other all the time; a short
-    # switch interval keeps one from waiting 5 ms for the interpreter lock.
+    # While the loader builds a version, a short switch interval keeps the socket
+    # thread from waiting 5 ms for the interpreter lock between two batches.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         server = build_server(args)
