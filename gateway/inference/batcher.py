@@ -337,31 +337,32 @@ class Batcher:
             for key in live[0].obs
         }
         rows = sum(r.rows for r in live)
-        eps = np.zeros((rows, *self.action_shape), np.float32)
+        # One draw for the batch; deterministic rows (whole requests or flagged rows) get 0.
+        eps = self.rng.standard_normal((rows, *self.action_shape), dtype=np.float32)
         start = 0
         for request in live:
             mode = request.deterministic
-            if isinstance(mode, np.ndarray) or not mode:
-                noise = self.rng.standard_normal((request.rows, *self.action_shape), dtype=np.float32)
-                if isinstance(mode, np.ndarray):
-                    noise[mode] = 0.0
-                eps[start : start + request.rows] = noise
+            if isinstance(mode, np.ndarray):
+                eps[start : start + request.rows][mode] = 0.0
+            elif mode:
+                eps[start : start + request.rows] = 0.0
             start += request.rows
         t0 = time.monotonic()
         actions = np.ascontiguousarray(policy.run(obs, eps), dtype=self.action_dtype)
         done = time.monotonic()
-        with self.stats.lock:
-            self.stats.counters.update(batches=1, rows=rows, requests=len(live))
-            self.stats.batch_rows.add(rows)
-            self.stats.infer_us.add((done - t0) * 1e6)
+        finite = (
+            np.isfinite(actions).reshape(rows, -1).all(axis=1) if not np.isfinite(actions).all() else None
+        )
+        versions = np.full(rows, policy.version, np.int64)
+        answered: list[float] = []
         start = 0
         for request in live:
-            part = actions[start : start + request.rows]
-            start += request.rows
+            end = start + request.rows
+            part, start = actions[start:end], end
             if done >= request.deadline:
                 self._expire(request, done, "while its batch ran")
                 continue
-            if not np.isfinite(part).all():
+            if finite is not None and not finite[end - request.rows : end].all():
                 self.stats.error(ErrorCode.BAD_REQUEST.value)
                 self.reply(
                     request.tag,
@@ -378,9 +379,14 @@ class Batcher:
                 "batch_rows": rows,
                 "queue_us": round((t0 - request.t_recv) * 1e6, 1),
             }
-            arrays = {"action": part, "policy_version": np.full(request.rows, policy.version, np.int64)}
+            arrays = {"action": part, "policy_version": versions[end - request.rows : end]}
             self.reply(
                 request.tag, request.route, Message(MsgType.ACTION, seq=request.seq, meta=meta, arrays=arrays)
             )
-            with self.stats.lock:
-                self.stats.latency_us.add((time.monotonic() - request.t_recv) * 1e6)
+            answered.append(time.monotonic() - request.t_recv)
+        with self.stats.lock:
+            self.stats.counters.update(batches=1, rows=rows, requests=len(live))
+            self.stats.batch_rows.add(rows)
+            self.stats.infer_us.add((done - t0) * 1e6)
+            for latency in answered:
+                self.stats.latency_us.add(latency * 1e6)
