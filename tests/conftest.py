@@ -35,6 +35,20 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def loopgate(
+    *args: str, timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the ``loopgate`` CLI with this interpreter to completion; its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
+    )
+
+
 def _die_with_parent() -> None:
     """In the child: be killed when the test process dies, even if it is killed outright."""
     import ctypes

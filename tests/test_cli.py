@@ -12,7 +12,7 @@ import time
 import pytest
 
 from gateway.metrics import read_metrics
-from tests.conftest import REPO, wait_for
+from tests.conftest import REPO, loopgate, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -27,12 +27,6 @@ SUMMARY_KEYS = {
     "rtt_p50_us",
     "rtt_p99_us",
 }
-
-
-def loopgate(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gateway", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def test_up_runs_to_its_budget_and_writes_the_run_folder(tmp_path):

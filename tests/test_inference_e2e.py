@@ -12,8 +12,7 @@ import pytest
 from gateway.config import load_config
 from gateway.store import EpisodeStore
 from gateway.supervisor import ControlClient, prepare_run
-from tests.conftest import log_of, wait_for, write_config
-from tests.test_cli import loopgate
+from tests.conftest import log_of, loopgate, wait_for, write_config
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import zmq
 from gateway.protocol import Message, MsgType, recv, send
 from gateway.supervisor import ControlClient
 from gateway.trajectory import count_chunks
-from tests.conftest import Procs, log_of, wait_for
+from tests.conftest import Procs, log_of, loopgate, wait_for
 from tests.test_replay_tables import episode_chunks
 from trainer.replay.client import ReplayClient, SampleTimeout
 from trainer.replay.log import LOG_DIR, ReplayLog, read_log
@@ -310,22 +309,11 @@ def test_a_corrupted_segment_is_reported_and_skipped_without_losing_the_others(s
 def test_export_and_summary_of_a_loopgate_up_run_with_replay(tmp_path):
     """``loopgate up`` with the replay service: summary counts from its log, exports read back."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "gateway",
-        "up",
-        "configs/collect_pd.yaml",
-        "--run-dir",
-        str(run_dir),
-        "--max-env-steps",
-        "600",
-    ]
-    cmd += ["--set", "replay.enabled=true", "--set", "env.workers=1", "--set", "env.num_envs=4"]
-    done = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=180, cwd=Path(__file__).parents[1]
-    )
+    done = loopgate(
+        "up", "configs/collect_pd.yaml", "--run-dir", str(run_dir), "--max-env-steps", "600",
+        "--set", "replay.enabled=true", "--set", "env.workers=1", "--set", "env.num_envs=4",
+        env={"MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")},
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["acked_steps"] >= 600
@@ -409,18 +397,6 @@ def make_earlier_run(run_dir: Path, episodes: int = 3) -> int:
         store.put(chunk)
     store.close()
     return steps
-
-
-def loopgate(*args: str) -> subprocess.CompletedProcess[str]:
-    import sys
-
-    return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).parents[1],
-    )
 
 
 def test_demonstrations_are_imported_once_offline_online_and_from_config(service, tmp_path):
