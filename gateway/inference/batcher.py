@@ -350,19 +350,16 @@ class Batcher:
         t0 = time.monotonic()
         actions = np.ascontiguousarray(policy.run(obs, eps), dtype=self.action_dtype)
         done = time.monotonic()
-        finite = (
-            np.isfinite(actions).reshape(rows, -1).all(axis=1) if not np.isfinite(actions).all() else None
-        )
+        finite = np.isfinite(actions).reshape(rows, -1).all(axis=1)  # per row
         versions = np.full(rows, policy.version, np.int64)
         answered: list[float] = []
-        start = 0
+        end = 0
         for request in live:
-            end = start + request.rows
-            part, start = actions[start:end], end
+            start, end = end, end + request.rows
             if done >= request.deadline:
                 self._expire(request, done, "while its batch ran")
                 continue
-            if finite is not None and not finite[end - request.rows : end].all():
+            if not finite[start:end].all():
                 self.stats.error(ErrorCode.BAD_REQUEST.value)
                 self.reply(
                     request.tag,
@@ -379,7 +376,7 @@ class Batcher:
                 "batch_rows": rows,
                 "queue_us": round((t0 - request.t_recv) * 1e6, 1),
             }
-            arrays = {"action": part, "policy_version": versions[end - request.rows : end]}
+            arrays = {"action": actions[start:end], "policy_version": versions[start:end]}
             self.reply(
                 request.tag, request.route, Message(MsgType.ACTION, seq=request.seq, meta=meta, arrays=arrays)
             )
