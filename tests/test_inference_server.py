@@ -140,6 +140,23 @@ def test_observations_that_do_not_fit_the_spec_are_refused_and_serving_goes_on(s
     assert server.ask(sock, obs_request(2, seq=8)).type is MsgType.ACTION
 
 
+def test_a_request_whose_actions_are_not_finite_is_refused_and_its_batch_mates_are_served(server):
+    good, poisoned = server.dealer(), server.dealer()
+    for i, sock in enumerate((good, poisoned)):  # the server learns who its clients are
+        assert server.ask(sock, obs_request(1, seq=60 + i)).type is MsgType.ACTION
+    bad = obs_request(3, seq=63)
+    bad.arrays["obs/joint_pos"] = bad.arrays["obs/joint_pos"].copy()
+    bad.arrays["obs/joint_pos"][1] = np.nan  # one row of three
+    send(good, obs_request(2, seq=62))
+    send(poisoned, bad)
+    assert good.poll(10_000) and poisoned.poll(10_000)
+    served, refused = recv(good), recv(poisoned)
+    assert served.type is MsgType.ACTION and served.seq == 62 and np.isfinite(served.arrays["action"]).all()
+    assert refused.type is MsgType.ERROR and refused.seq == 63
+    assert refused.meta["code"] == "bad_request" and "non-finite" in refused.meta["message"]
+    assert server.ask(poisoned, obs_request(2, seq=64)).type is MsgType.ACTION
+
+
 def test_a_request_past_its_deadline_gets_a_typed_error_not_a_late_action(server):
     reply = server.ask(server.dealer(), obs_request(2, seq=9, deadline_ms=0.001))
     assert reply.type is MsgType.ERROR and reply.meta["code"] == "deadline_exceeded"
