@@ -6,8 +6,8 @@ One single-threaded event loop over ZeroMQ sockets:
   refused with ``spec_mismatch``), send OBSERVATION batches and get ACTIONs;
 - ``clients`` (ROUTER): :mod:`gateway.client` envs attach to a worker and drive it
   (RESET / STEP) instead of the policy;
-- ``control`` (ROUTER): COMMANDs from the CLI and the console (status, pause, resume,
-  estop, ready, drain, shutdown);
+- ``control`` (ROUTER): COMMANDs from the CLI, the supervisor and the trainer (status,
+  pause, resume, estop, ready, drain, shutdown; :mod:`gateway.hub_control`);
 - the action source's and the trajectory sink's own sockets.
 
 Every transition a worker reports is written to the recorder's spool before the ACTION
@@ -39,6 +39,7 @@ from gateway.config import GatewayConfig
 from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
 from gateway.hub_clients import ClientRouter
+from gateway.hub_control import ControlDesk
 from gateway.metrics import Histogram, MetricsWriter
 from gateway.policies import ActionSource
 from gateway.protocol import (
@@ -117,12 +118,10 @@ class Gateway:
         self.metrics = metrics or MetricsWriter(None, "gateway")
         self._ctx = context or zmq.Context.instance()
         self.workers_sock = make_socket(self._ctx, zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000)
-        self.control_sock = make_socket(self._ctx, zmq.ROUTER)
         self.workers_sock.router_mandatory = False
-        self.addresses = {
-            "workers": bind(self.workers_sock, addresses["workers"], keys),
-            "control": bind(self.control_sock, addresses["control"], keys),
-        }
+        self.addresses = {"workers": bind(self.workers_sock, addresses["workers"], keys)}
+        self.control = ControlDesk(self, self._ctx, addresses["control"], keys)
+        self.addresses["control"] = self.control.address
         self.clients = ClientRouter(self, self._ctx, addresses["clients"], keys)
         self.addresses["clients"] = self.clients.address
         self.sessions: dict[str, WorkerSession] = {}
@@ -135,7 +134,6 @@ class Gateway:
         self.estopped = False
         self.estops = 0
         self.draining = False
-        self.drain_replies: list[tuple[bytes, int]] = []
         self.stopping = False
         self.started = time.monotonic()
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)
@@ -541,119 +539,7 @@ class Gateway:
             "spec": self.spec.to_dict() if self.spec else None,
         }
 
-    def on_control_message(self) -> None:
-        route, msg, err = recv_routed(self.control_sock, self.limits)
-        if err is not None:
-            self.reply_error(self.control_sock, route, err)
-            return
-        assert msg is not None
-        try:
-            if msg.type is not MsgType.COMMAND:
-                raise ProtocolError(
-                    ErrorCode.UNEXPECTED, f"the control socket takes COMMAND, not {msg.type.name}"
-                )
-            cmd = msg.meta.get("cmd")
-            if cmd == "drain":
-                self.draining = True
-                self.recorder.drain()
-                self.drain_replies.append((route, msg.seq))
-                return
-            result = self.command(cmd, msg.meta)
-            send(self.control_sock, Message(MsgType.REPLY, seq=msg.seq, meta=result), route=[route])
-        except ProtocolError as exc:
-            self.reply_error(self.control_sock, route, exc, msg.seq)
-
-    def command(self, cmd: Any, meta: dict[str, Any]) -> dict[str, Any]:
-        if cmd == "status":
-            return self.status()
-        if cmd == "pause":
-            self.paused = True
-            return {"paused": True}
-        if cmd == "resume":
-            self.paused = False
-            self._resubmit_waiting()
-            return {"paused": False}
-        if cmd == "set_budget":
-            value = meta.get("max_env_steps")
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, f"max_env_steps must be a positive integer, got {value!r}"
-                )
-            self.max_env_steps = value
-            self._resubmit_waiting()
-            return {"max_env_steps": value}
-        if cmd == "estop":
-            return self.estop(bool(meta.get("engaged", True)), str(meta.get("reason", "")))
-        if cmd == "evaluate":
-            episodes = meta.get("episodes")
-            if not isinstance(episodes, int) or isinstance(episodes, bool) or episodes < 1:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, f"episodes must be a positive integer, got {episodes!r}"
-                )
-            return self.evaluator.request(episodes, self.env_steps)
-        if cmd == "trainer_version":
-            version, made, max_lag = (
-                meta.get("version"),
-                meta.get("t", time.time()),
-                meta.get("max_policy_lag"),
-            )
-            if not isinstance(version, int) or version < 0 or not isinstance(made, (int, float)):
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, f"trainer_version needs version (int) and t, got {meta}"
-                )
-            self.lag.report(version, float(made), max_lag if isinstance(max_lag, int) else None)
-            self._resubmit_waiting()
-            return self.lag.status()
-        if cmd == "ready":
-            return self.ready(meta.get("worker"), meta.get("env"))
-        if cmd == "shutdown":
-            self.stopping = True
-            return {"stopping": True}
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST,
-            f"unknown command {cmd!r} (status, pause, resume, set_budget, estop, ready, evaluate, "
-            "trainer_version, drain, shutdown)",
-        )
-
-    def estop(self, engaged: bool, reason: str = "") -> dict[str, Any]:
-        """Engage or release the e-stop on every worker at once; no actions while engaged."""
-        self.estopped = engaged
-        if engaged:
-            self.estops += 1
-        command = Message(MsgType.COMMAND, meta={"cmd": "estop", "engaged": engaged, "reason": reason})
-        for session in self.sessions.values():
-            send(self.workers_sock, command, route=[session.route])
-        log.warning(
-            "e-stop %s (%s) on %d worker(s)", "engaged" if engaged else "released", reason, len(self.sessions)
-        )
-        if not engaged:
-            self._resubmit_waiting()
-        return {"estopped": engaged, "workers": len(self.sessions)}
-
-    def ready(self, worker: Any = None, env: Any = None) -> dict[str, Any]:
-        """An operator's "ready": robots waiting at reset (``reset.wait_for_operator``) may start.
-
-        Goes to every worker, or to ``worker`` (uid) only, optionally for one ``env``
-        index; like the e-stop it travels as a COMMAND the worker hands to its backend.
-        """
-        if worker is not None and worker not in self.sessions:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"no worker {worker!r}; workers: {sorted(self.sessions)}"
-            )
-        if env is not None and (not isinstance(env, int) or isinstance(env, bool) or env < 0):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"env must be a non-negative integer, got {env!r}")
-        meta: dict[str, Any] = {"cmd": "ready"} if env is None else {"cmd": "ready", "env": env}
-        targets = [self.sessions[worker]] if worker is not None else list(self.sessions.values())
-        for session in targets:
-            send(self.workers_sock, Message(MsgType.COMMAND, meta=meta), route=[session.route])
-        log.info(
-            "operator ready sent to %d worker(s)%s",
-            len(targets),
-            f" for env {env}" if env is not None else "",
-        )
-        return {"ready": True, "workers": len(targets)}
-
-    def _resubmit_waiting(self) -> None:
+    def resubmit_waiting(self) -> None:
         if not self.collecting or self.source is None:
             return
         for session in self.sessions.values():
@@ -673,7 +559,7 @@ class Gateway:
                 n = self.recorder.interrupt(uid)
                 log.warning("worker %s did not return after restart; %d episode(s) interrupted", uid, n)
             self._orphans_deadline = float("inf")
-        self._resubmit_waiting()
+        self.resubmit_waiting()
         if self.source is not None:
             self.source.tick()
         self.recorder.sink.tick()
@@ -682,7 +568,7 @@ class Gateway:
         poller = zmq.Poller()
         handlers: dict[Any, Any] = {
             self.workers_sock: self.on_worker_message,
-            self.control_sock: self.on_control_message,
+            self.control.sock: self.control.on_message,
             self.clients.sock: self.clients.on_message,
         }
         extra = [*(self.source.sockets() if self.source else []), *self.recorder.sink.sockets()]
@@ -701,14 +587,8 @@ class Gateway:
             # Sources and sinks drain their own sockets when asked for results.
             self.collect_actions()
             self.recorder.pump()
-            if self.draining and self.drain_replies and self.recorder.unacked_chunks == 0:
-                for route, seq in self.drain_replies:
-                    send(
-                        self.control_sock,
-                        Message(MsgType.REPLY, seq=seq, meta={"drained": True, **self.status()}),
-                        route=[route],
-                    )
-                self.drain_replies.clear()
+            if self.draining and self.recorder.unacked_chunks == 0:
+                self.control.answer_drains()
             now = time.monotonic()
             if now - last_tick >= TICK_S:
                 self.tick()
@@ -722,8 +602,8 @@ class Gateway:
 
     def close(self) -> None:
         self.clients.close()
-        for sock in (self.workers_sock, self.control_sock):
-            sock.close(linger=0)
+        self.control.close()
+        self.workers_sock.close(linger=0)
         if self.source is not None:
             self.source.close()
         self.recorder.close()
