@@ -92,6 +92,11 @@ def trainer_records(run: Path) -> list[dict]:
     ]
 
 
+def eval_records(run: Path) -> list[dict]:
+    """The trainer's metrics records of scored evaluation rounds (``eval``), oldest first."""
+    return [r for r in read_metrics(run / "metrics.jsonl") if r.get("service") == "trainer" and "eval" in r]
+
+
 def test_up_trains_publishes_evaluates_and_plots(tmp_path):
     run = tmp_path / "run"
     _, summary = finish(up(config(tmp_path, max_updates=80), run), run)
@@ -107,6 +112,8 @@ def test_up_trains_publishes_evaluates_and_plots(tmp_path):
     assert replay[-1]["eval_chunks"] > 0
     versions = [r["version"] for r in trainer_records(run)]
     assert versions == sorted(versions)
+    # The learning curve's first point is the untrained policy: publication waits for it.
+    assert eval_records(run)[0]["eval"]["policy_version"] <= 1, eval_records(run)
 
 
 def test_trainer_killed_mid_run_resumes_and_versions_never_go_backwards(tmp_path):
@@ -147,6 +154,26 @@ def test_trainer_killed_mid_run_resumes_and_versions_never_go_backwards(tmp_path
         if str(r.get("service", "")).startswith("inference-") and "version" in r
     ]
     assert served == sorted(served)
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
+
+
+def test_publication_waits_for_the_untrained_policys_evaluation(tmp_path):
+    """Long evaluation episodes and a publication per update: without the hold, version 2
+    would act in the untrained round within the first few updates."""
+    run = tmp_path / "run"
+    path = config(tmp_path, max_updates=400, publish_every=1, eval_every=0, final_eval_episodes=0)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["env"]["options"] = {"max_episode_steps": 600}
+    cfg["replay"]["tables"][0]["min_size_to_sample"] = 64
+    cfg["trainer"]["eval_every"] = 10_000  # only the untrained round
+    cfg["trainer"]["target_success_rate"] = None
+    path.write_text(yaml.safe_dump(cfg))
+    _, summary = finish(up(path, run), run)
+    rounds = eval_records(run)
+    assert rounds and rounds[0]["eval"]["policy_version"] <= 1, rounds
+    # Training went on meanwhile, and publication resumed once the round was scored.
+    assert rounds[0]["updates"] > 0
+    assert summary["policy_version"] > 10
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
 
 
@@ -191,12 +218,7 @@ def test_the_main_job_learns_to_reach(tmp_path):
         run,
         timeout=1500,
     )
-    rounds = [
-        r["eval"]
-        for r in read_metrics(run / "metrics.jsonl")
-        if r.get("service") == "trainer" and "eval" in r
-    ]
-    untrained = rounds[0]
+    untrained = eval_records(run)[0]["eval"]
     assert untrained["policy_version"] <= 1  # evaluated before the first update
     assert summary["eval_success_rate"] >= max(0.5, untrained["success_rate"] + 0.4), (untrained, summary)
     assert summary["eval_return"] > untrained["return_mean"] + 3.0

@@ -43,6 +43,9 @@ from trainer.publish import Publisher, full_state_dict
 
 log = logging.getLogger(__name__)
 
+UNTRAINED_EVAL_HOLD_S = 120.0
+"""Longest the trainer holds back publication for the untrained policy's evaluation round."""
+
 
 @dataclass
 class Counters:
@@ -110,6 +113,8 @@ class Trainer:
         self._start = (time.monotonic(), 0, 0.0, 0.0)
         self._eval_history: list[float] = []
         self._budget_reached = False
+        self._held_round: int | None = None
+        self._held_since = 0.0
 
     # ------------------------------------------------------------------ pieces
 
@@ -149,6 +154,17 @@ class Trainer:
         else:
             full_state_dict(self.algo.actor)
 
+    def publication_held(self) -> bool:
+        """Whether the untrained policy's evaluation still runs: until it ends, the first
+        version keeps acting, so the learning curve's first point is the untrained policy
+        however slowly the evaluation episodes come round. Training goes on meanwhile (and
+        keeps collection flowing through the replay rate limiter). Rank 0 decides; a
+        collective like the publication it gates."""
+        held = torch.tensor([1.0 if self._held_round is not None else 0.0])
+        if self.world.size > 1:
+            dist.broadcast(held, src=0)
+        return bool(held.item() > 0)
+
     def evaluate_if_due(self) -> None:
         if self.control is None or not self.tc.eval_every or self.c.updates % self.tc.eval_every:
             return
@@ -167,6 +183,15 @@ class Trainer:
             return
         self._budget_reached = bool(status.get("budget_reached"))
         last = (status.get("eval") or {}).get("last")
+        if self._held_round is not None:
+            if last and last["round"] >= self._held_round:
+                self._held_round = None
+            elif time.monotonic() - self._held_since > UNTRAINED_EVAL_HOLD_S:
+                log.warning(
+                    "the untrained policy's evaluation did not finish in %.0f s; publishing anyway",
+                    UNTRAINED_EVAL_HOLD_S,
+                )
+                self._held_round = None
         if last and last["round"] != self._last_eval_round:
             self._last_eval_round = last["round"]
             self.metrics.emit({"eval": last, "updates": self.c.updates, "env_steps": status.get("env_steps")})
@@ -215,7 +240,7 @@ class Trainer:
         if stats.get("skipped"):
             log.warning("update %d skipped: non-finite loss or gradients", self.c.updates)
         self.c.stats = stats
-        if self.c.updates % self.tc.publish_every == 0:
+        if self.c.updates % self.tc.publish_every == 0 and not self.publication_held():
             self.publish()
         if self.c.updates % self.tc.checkpoint_every == 0:
             checkpoint.save(self.algo, self.ckpt_dir, self.c.saved(), is_main=self.world.is_main)
@@ -248,7 +273,9 @@ class Trainer:
         self.publish()  # the servers act with the trainer's weights from the start
         if self.c.updates == 0 and self.tc.eval_every and self.control is not None:
             # The untrained policy's score: the first point of the learning curve.
-            self.control.request("evaluate", timeout_s=5.0, episodes=self.tc.eval_episodes)
+            started = self.control.request("evaluate", timeout_s=5.0, episodes=self.tc.eval_episodes)
+            if started.get("started"):
+                self._held_round, self._held_since = int(started["round"]), time.monotonic()
         last_report = time.monotonic()
         self._start = (time.monotonic(), self.c.updates, self.c.wait_s, self.c.compute_s)
         try:
@@ -322,7 +349,8 @@ class Trainer:
             return
         for _ in range(self.tc.updates_per_round):
             self.update()
-        self.publish()
+        if not self.publication_held():
+            self.publish()
         if self.control is not None:
             status = self.control.request("status", timeout_s=5.0)
             target = int(status["env_steps"]) + self.tc.collect_steps
