@@ -114,7 +114,10 @@ class Trainer:
         self._eval_history: list[float] = []
         self._budget_reached = False
         self._held_round: int | None = None
+        """Rank 0: the untrained policy's evaluation round, while publication waits for it."""
         self._held_since = 0.0
+        self._hold_over = False
+        """Every rank: the hold ended (it never starts again), so no collective asks any more."""
 
     # ------------------------------------------------------------------ pieces
 
@@ -159,11 +162,14 @@ class Trainer:
         version keeps acting, so the learning curve's first point is the untrained policy
         however slowly the evaluation episodes come round. Training goes on meanwhile (and
         keeps collection flowing through the replay rate limiter). Rank 0 decides; a
-        collective like the publication it gates."""
+        collective like the publication it gates, until the hold is over."""
+        if self._hold_over:
+            return False
         held = torch.tensor([1.0 if self._held_round is not None else 0.0])
         if self.world.size > 1:
             dist.broadcast(held, src=0)
-        return bool(held.item() > 0)
+        self._hold_over = not held.item()
+        return not self._hold_over
 
     def evaluate_if_due(self) -> None:
         if self.control is None or not self.tc.eval_every or self.c.updates % self.tc.eval_every:
