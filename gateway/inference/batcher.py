@@ -25,6 +25,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -336,26 +337,24 @@ class Batcher:
             key: (live[0].obs[key] if len(live) == 1 else np.concatenate([r.obs[key] for r in live]))
             for key in live[0].obs
         }
-        rows = sum(r.rows for r in live)
+        ends = list(accumulate(r.rows for r in live))
+        spans = list(zip([0, *ends[:-1]], ends))  # each request's rows in the batch
+        rows = ends[-1]
         # One draw for the batch; deterministic rows (whole requests or flagged rows) get 0.
         eps = self.rng.standard_normal((rows, *self.action_shape), dtype=np.float32)
-        start = 0
-        for request in live:
+        for request, (start, end) in zip(live, spans):
             mode = request.deterministic
             if isinstance(mode, np.ndarray):
-                eps[start : start + request.rows][mode] = 0.0
+                eps[start:end][mode] = 0.0
             elif mode:
-                eps[start : start + request.rows] = 0.0
-            start += request.rows
+                eps[start:end] = 0.0
         t0 = time.monotonic()
         actions = np.ascontiguousarray(policy.run(obs, eps), dtype=self.action_dtype)
         done = time.monotonic()
         finite = np.isfinite(actions).reshape(rows, -1).all(axis=1)  # per row
         versions = np.full(rows, policy.version, np.int64)
         answered: list[float] = []
-        end = 0
-        for request in live:
-            start, end = end, end + request.rows
+        for request, (start, end) in zip(live, spans):
             if done >= request.deadline:
                 self._expire(request, done, "while its batch ran")
                 continue
