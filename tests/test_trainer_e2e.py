@@ -86,15 +86,10 @@ def pid_of(pattern: str) -> int:
     return int(found.stdout.split()[0])
 
 
-def trainer_records(run: Path) -> list[dict]:
-    return [
-        r for r in read_metrics(run / "metrics.jsonl") if r.get("service") == "trainer" and "version" in r
-    ]
-
-
-def eval_records(run: Path) -> list[dict]:
-    """The trainer's metrics records of scored evaluation rounds (``eval``), oldest first."""
-    return [r for r in read_metrics(run / "metrics.jsonl") if r.get("service") == "trainer" and "eval" in r]
+def trainer_records(run: Path, key: str = "version") -> list[dict]:
+    """The trainer's metrics records holding ``key``, oldest first: ``version`` for its
+    periodic reports, ``eval`` for scored evaluation rounds."""
+    return [r for r in read_metrics(run / "metrics.jsonl") if r.get("service") == "trainer" and key in r]
 
 
 def test_up_trains_publishes_evaluates_and_plots(tmp_path):
@@ -113,7 +108,8 @@ def test_up_trains_publishes_evaluates_and_plots(tmp_path):
     versions = [r["version"] for r in trainer_records(run)]
     assert versions == sorted(versions)
     # The learning curve's first point is the untrained policy: publication waits for it.
-    assert eval_records(run)[0]["eval"]["policy_version"] <= 1, eval_records(run)
+    rounds = trainer_records(run, "eval")
+    assert rounds[0]["eval"]["policy_version"] <= 1, rounds
 
 
 def test_trainer_killed_mid_run_resumes_and_versions_never_go_backwards(tmp_path):
@@ -169,7 +165,7 @@ def test_publication_waits_for_the_untrained_policys_evaluation(tmp_path):
     cfg["trainer"]["target_success_rate"] = None
     path.write_text(yaml.safe_dump(cfg))
     _, summary = finish(up(path, run), run)
-    rounds = eval_records(run)
+    rounds = trainer_records(run, "eval")
     assert rounds and rounds[0]["eval"]["policy_version"] <= 1, rounds
     # Training went on meanwhile, and publication resumed once the round was scored.
     assert rounds[0]["updates"] > 0
@@ -218,7 +214,7 @@ def test_the_main_job_learns_to_reach(tmp_path):
         run,
         timeout=1500,
     )
-    untrained = eval_records(run)[0]["eval"]
+    untrained = trainer_records(run, "eval")[0]["eval"]
     assert untrained["policy_version"] <= 1  # evaluated before the first update
     assert summary["eval_success_rate"] >= max(0.5, untrained["success_rate"] + 0.4), (untrained, summary)
     assert summary["eval_return"] > untrained["return_mean"] + 3.0
