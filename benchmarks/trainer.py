@@ -151,16 +151,14 @@ def update_rates(tmp: Path, updates: int, repeats: int) -> dict[str, list[float]
 
 
 def weight_sync(tmp: Path, sizes: list[str], repeats: int) -> dict[str, list[float]]:
-    import torch.distributed as dist
-
-    from trainer.distributed import init_distributed
+    from trainer.distributed import init_distributed, shutdown
 
     saved = {k: os.environ[k] for k in DIST_VARS if k in os.environ}
     world = init_distributed(timeout_s=300)  # a group of one, as a single-process trainer has
     try:
         return _publish_sizes(world, tmp, sizes, repeats)
     finally:
-        dist.destroy_process_group()
+        shutdown()
         for k in DIST_VARS:
             os.environ.pop(k, None)
         os.environ.update(saved)

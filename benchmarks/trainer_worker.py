@@ -15,6 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,14 +25,22 @@ BATCH = 256
 
 def main() -> None:
     address, updates, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-    from gateway.inference.config import NetworkConfig
-    from gateway.registry import experiment_spec
-    from trainer.algos import make_algorithm
     from trainer.distributed import init_distributed, shutdown
-    from trainer.replay.client import ReplayClient
 
     torch.set_num_threads(1)
     world = init_distributed(timeout_s=120)
+    figures = measure(world, address, updates)
+    if world.is_main:
+        out.write_text(json.dumps(figures))
+    shutdown()  # once the sharded networks are gone, so the group does not outlive it
+
+
+def measure(world: Any, address: str, updates: int) -> dict[str, float]:
+    from gateway.inference.config import NetworkConfig
+    from gateway.registry import experiment_spec
+    from trainer.algos import make_algorithm
+    from trainer.replay.client import ReplayClient
+
     spec = experiment_spec("mujoco_reach", {})
     algo = make_algorithm("sac", spec, NetworkConfig(), {}, device=world.device)
     algo.shard(world)
@@ -62,18 +71,12 @@ def main() -> None:
         step()
     elapsed = time.perf_counter() - start
     client.close()
-    if world.is_main:
-        out.write_text(
-            json.dumps(
-                {
-                    "world": world.size,
-                    "updates_per_s": updates / elapsed,
-                    "samples_per_s": updates * BATCH / elapsed,
-                    "data_wait_frac": wait / (wait + compute),
-                }
-            )
-        )
-    shutdown()
+    return {
+        "world": world.size,
+        "updates_per_s": updates / elapsed,
+        "samples_per_s": updates * BATCH / elapsed,
+        "data_wait_frac": wait / (wait + compute),
+    }
 
 
 if __name__ == "__main__":

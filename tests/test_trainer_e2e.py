@@ -110,6 +110,10 @@ def test_up_trains_publishes_evaluates_and_plots(tmp_path):
     # The learning curve's first point is the untrained policy: publication waits for it.
     rounds = trainer_records(run, "eval")
     assert rounds[0]["eval"]["policy_version"] <= 1, rounds
+    # Both ranks tore their process group down before exit (no gloo thread left to
+    # meet the interpreter's teardown).
+    log = (run / "logs" / "trainer.log").read_text()
+    assert log.count("process group closed") == 2 and "still referenced" not in log, log[-2000:]
 
 
 def test_trainer_killed_mid_run_resumes_and_versions_never_go_backwards(tmp_path):

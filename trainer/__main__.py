@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("trainer")
 
@@ -64,16 +65,23 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     endpoints = json.loads(Path(args.endpoints or run_dir / "endpoints.json").read_text())
     from trainer.distributed import init_distributed, shutdown
-    from trainer.loop import Trainer, install_stop
 
     world = init_distributed(device=cfg.trainer.device, timeout_s=cfg.trainer.init_timeout_s)
-    trainer = Trainer(cfg, run_dir, endpoints, world)
-    install_stop(trainer)
     try:
-        return trainer.run()
+        return _train(cfg, run_dir, endpoints, world)
     finally:
-        trainer.close()
-        shutdown()
+        shutdown()  # after _train has returned: the trainer and its sharded networks are gone
+
+
+def _train(cfg: Any, run_dir: Path, endpoints: dict[str, Any], world: Any) -> int:
+    from trainer.loop import Trainer, stop_on_signals
+
+    trainer = Trainer(cfg, run_dir, endpoints, world)
+    with stop_on_signals(trainer):
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
 
 
 if __name__ == "__main__":

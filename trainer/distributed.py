@@ -14,15 +14,24 @@ others fail fast instead of hanging.
 from __future__ import annotations
 
 import datetime
+import gc
+import importlib
 import logging
 import os
 import socket
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+# Imported here, before any process group exists, on purpose: importing FSDP pulls in
+# torch.distributed.nn, whose functions take ``group=group.WORLD`` as a default
+# argument. Imported after init_process_group, those defaults would hold the world
+# group for the life of the interpreter, so it could never be torn down before exit.
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +95,6 @@ def shard(module: nn.Module, world: World, methods: tuple[str, ...] = ()) -> nn.
     ``methods`` are entry points besides ``forward`` (e.g. the actor's ``sample``) that
     must gather the parameters before they run.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-
     kwargs = {}
     if world.device.type == "cuda":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -103,5 +110,61 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the process group, so that none of its threads outlives the interpreter.
+
+    Call it after the sharded modules are dropped. A group that something still
+    references survives ``destroy_process_group``: its gloo threads then meet the
+    interpreter's teardown at exit, and the process can abort there after its work is
+    done. DTensor's plan caches hold the device mesh (and with it the group), so they
+    are cleared first; a warning names any group thread that remains.
+    """
+    if not dist.is_initialized():
+        return
+    _clear_dtensor_caches()
+    gc.collect()  # sharded modules sit in reference cycles (module <-> hook state)
+    dist.destroy_process_group()
+    left = group_threads()
+    if left:
+        log.warning("process group still referenced after shutdown; threads alive: %s", ", ".join(left))
+    else:
+        log.info("process group closed")
+
+
+# DTensor's caches that hold device meshes: (module, attribute path of the cache's clear).
+_DTENSOR_CACHES = (
+    ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+)
+
+
+def _clear_dtensor_caches() -> None:
+    """Drop DTensor's caches of sharding plans and mesh topology: they hold device meshes.
+
+    These are torch internals (of the pinned version); if one moves, the group may
+    outlive ``shutdown()``, which the warning there and the FSDP checkpoint test report.
+    """
+    for module, path in _DTENSOR_CACHES:
+        try:
+            clear = importlib.import_module(module)
+            for attr in path.split("."):
+                clear = getattr(clear, attr)
+        except (ImportError, AttributeError):
+            log.debug("no %s.%s in this torch", module, path)
+            continue
+        clear()
+
+
+def group_threads() -> list[str]:
+    """Names of this process's live gloo threads (Linux; an empty list elsewhere)."""
+    tasks = Path("/proc/self/task")
+    names = []
+    for task in tasks.iterdir() if tasks.exists() else ():
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if "gloo" in name:
+            names.append(name)
+    return names

@@ -20,10 +20,12 @@ Rank 0 decides and the decision is broadcast, so every rank stops at the same up
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -391,9 +393,20 @@ class _Lagged:
         return self.client.request(cmd, timeout_s=timeout_s, max_policy_lag=self.max_lag, **meta)
 
 
-def install_stop(trainer: Trainer) -> None:
+@contextlib.contextmanager
+def stop_on_signals(trainer: Trainer) -> Iterator[None]:
+    """SIGTERM and SIGINT ask ``trainer`` to stop at its next check, inside this block.
+
+    The previous handlers come back on leaving it, so nothing refers to the trainer
+    afterwards and its sharded networks (and their process group) can be released.
+    """
+
     def _stop(signum: int, frame: Any) -> None:
         trainer.request_stop(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
