@@ -20,7 +20,11 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported lazily below, so that --help stays fast
+    from gateway.config import ExperimentConfig
+    from trainer.distributed import World
 
 log = logging.getLogger("trainer")
 
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()  # after _train has returned: the trainer and its sharded networks are gone
 
 
-def _train(cfg: Any, run_dir: Path, endpoints: dict[str, Any], world: Any) -> int:
+def _train(cfg: ExperimentConfig, run_dir: Path, endpoints: dict[str, Any], world: World) -> int:
     from trainer.loop import Trainer, stop_on_signals
 
     trainer = Trainer(cfg, run_dir, endpoints, world)

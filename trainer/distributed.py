@@ -104,6 +104,18 @@ def shard(module: nn.Module, world: World, methods: tuple[str, ...] = ()) -> nn.
     return module
 
 
+def from_rank0(world: World, value: float) -> float:
+    """Rank 0's ``value`` on every rank: a broadcast, or ``value`` itself in a group of one.
+
+    Every rank must call it at the same point, as with any collective.
+    """
+    if world.size == 1:
+        return value
+    shared = torch.tensor([value], dtype=torch.float64, device=world.device)
+    dist.broadcast(shared, src=0)
+    return float(shared.item())
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -40,7 +40,7 @@ from gateway.metrics import MetricsWriter
 from gateway.protocol import RemoteError, Timeout
 from trainer import checkpoint
 from trainer.algos import Algorithm, make_algorithm
-from trainer.distributed import World
+from trainer.distributed import World, from_rank0
 from trainer.publish import Publisher, full_state_dict
 
 log = logging.getLogger(__name__)
@@ -167,10 +167,7 @@ class Trainer:
         collective like the publication it gates, until the hold is over."""
         if self._hold_over:
             return False
-        held = torch.tensor([1.0 if self._held_round is not None else 0.0])
-        if self.world.size > 1:
-            dist.broadcast(held, src=0)
-        self._hold_over = not held.item()
+        self._hold_over = not from_rank0(self.world, self._held_round is not None)
         return not self._hold_over
 
     def evaluate_if_due(self) -> None:
@@ -233,9 +230,7 @@ class Trainer:
             return self.stop_requested
         if self.c.updates % 10 and self.tc.mode != "sync":
             return False  # a collective per update is measurable on CPU; ten updates late is fine
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
-        dist.broadcast(flag, src=0)
-        return bool(flag.item() > 0)
+        return bool(from_rank0(self.world, self.stop_requested))
 
     def update(self) -> None:
         batch = self.batch()
@@ -259,22 +254,21 @@ class Trainer:
     def resume_version(self) -> None:
         """Never publish a version older than one already out (after a restart from a
         checkpoint older than the last publication): continue from the gateway's view."""
-        seen = torch.tensor([float(self.c.version)])
+        seen = self.c.version
         if self.control is not None:
             try:
                 status = self.control.request("status", timeout_s=10.0)
-                seen[0] = max(
+                seen = max(
                     self.c.version,
                     int(status.get("trainer_version", 0)),
                     int(status.get("policy_version", 0)),
                 )
             except (Timeout, RemoteError) as exc:
                 log.warning("could not ask the gateway for published versions: %s", exc)
-        if self.world.size > 1:
-            dist.broadcast(seen, src=0)
-        if int(seen.item()) > self.c.version:
-            log.info("continuing after version %d (published before the restart)", int(seen.item()))
-            self.c.version = int(seen.item())
+        seen = int(from_rank0(self.world, seen))
+        if seen > self.c.version:
+            log.info("continuing after version %d (published before the restart)", seen)
+            self.c.version = seen
 
     def run(self) -> int:
         self.resume_version()
