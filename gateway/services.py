@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,11 +57,22 @@ class RunContext:
         return [sys.executable, "-m", module, *args, "--log-level", self.log_level]
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that is free now (the OS picks it), never one this process handed out
+    before: the port is only bound later by the service it is for, and meanwhile the OS
+    may offer it again (one run planned the same port for two services)."""
+    with _handed_out_lock:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def address(cfg: ExperimentConfig, run: RunContext, name: str, port: int) -> str:

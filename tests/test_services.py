@@ -36,3 +36,25 @@ def test_freeze_heap_takes_startup_objects_out_of_collections_but_still_collects
     result = json.loads(out.stdout)
     assert result["frozen"] > 10_000
     assert result["collected"] >= 2
+
+
+def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
+    """The OS may offer a port again once the probing socket is closed (one run planned
+    the same port for the replay and the inference control sockets). That offer cannot
+    be provoked on demand, so the OS's choices are replayed here: a port already handed
+    out is skipped, and the next one the OS offers is taken."""
+    import socket
+
+    from gateway import services
+
+    first = services.free_port()
+    offers = iter([first, first, first + 1 if first < 65535 else first - 1])
+    real_socket = socket.socket
+
+    class Offering(real_socket):
+        def getsockname(self):  # type: ignore[no-untyped-def]
+            return ("127.0.0.1", next(offers))
+
+    monkeypatch.setattr(services.socket, "socket", Offering)
+    assert services.free_port() != first
+    assert next(offers, None) is None  # it asked the OS until the port was new

@@ -18,7 +18,6 @@ import gc
 import importlib
 import logging
 import os
-import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,8 @@ from torch import nn
 # argument. Imported after init_process_group, those defaults would hold the world
 # group for the life of the interpreter, so it could never be torn down before exit.
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from gateway.services import free_port
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,6 @@ class World:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_distributed(*, device: str = "auto", timeout_s: float = 60.0) -> World:
     """Join (or create) the process group: NCCL on CUDA, gloo on CPU."""
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
@@ -71,7 +66,7 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 60.0) -> World:
                 "WORLD_SIZE": "1",
                 "LOCAL_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(_free_port()),
+                "MASTER_PORT": str(free_port()),
             }
         )
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
