@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gateway import steps
+from gateway import lifeline, steps
 from gateway.config import GatewayConfig
 from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
@@ -156,16 +156,40 @@ class Gateway:
             )
         send(sock, error_message(exc.code.value, exc.message, seq), route=[route])
 
+    def hold_reason(self, *, policy: bool = True) -> str | None:
+        """Why no step may be taken now, or None: ``estop``, ``draining`` (the run is
+        ending), ``paused``, ``budget``, ``backpressure`` (the sink is not storing) or,
+        for the experiment's own policy (``policy``), ``policy_lag``. The same states
+        hold policy-driven and script-driven workers alike."""
+        if self.estopped:
+            return "estop"
+        if self.draining:
+            return "draining"
+        if self.paused:
+            return "paused"
+        if self.budget_reached:
+            return "budget"
+        if self.recorder.sink.blocked:
+            return "backpressure"
+        if policy and self.lag_exceeded:
+            return "policy_lag"
+        return None
+
+    def hold_message(self, reason: str) -> str:
+        """What a held peer is told, in words a person can act on."""
+        return {
+            "estop": "the e-stop is engaged; steps resume once it is released",
+            "draining": "the run is ending; no further steps are taken",
+            "paused": "collection is paused; steps resume with `resume`",
+            "budget": f"the step budget (max_env_steps={self.max_env_steps}) is reached",
+            "backpressure": f"the trajectory sink is not storing ({self.recorder.sink.describe()}); "
+            "steps so far are safe in the spool",
+            "policy_lag": "the policy lags the trainer by more than max_policy_lag versions",
+        }[reason]
+
     @property
     def collecting(self) -> bool:
-        return not (
-            self.paused
-            or self.estopped
-            or self.draining
-            or self.budget_reached
-            or self.recorder.sink.blocked
-            or self.lag_exceeded
-        )
+        return self.hold_reason() is None
 
     @property
     def lag_exceeded(self) -> bool:
@@ -517,6 +541,8 @@ class Gateway:
             "estops": self.estops,
             "draining": self.draining,
             "budget_reached": self.budget_reached,
+            "held": self.hold_reason(),
+            "spooled_steps": self.recorder.undelivered_steps(),
             "open_episodes": len(self.recorder.open),
             "unacked_chunks": self.recorder.unacked_chunks,
             "sink": self.recorder.sink.describe(),
@@ -540,6 +566,7 @@ class Gateway:
         }
 
     def resubmit_waiting(self) -> None:
+        self.clients.release_held()
         if not self.collecting or self.source is None:
             return
         for session in self.sessions.values():
@@ -587,18 +614,50 @@ class Gateway:
             # Sources and sinks drain their own sockets when asked for results.
             self.collect_actions()
             self.recorder.pump()
-            if self.draining and self.recorder.unacked_chunks == 0:
+            if self.draining:
                 self.control.answer_drains()
             now = time.monotonic()
             if now - last_tick >= TICK_S:
                 self.tick()
                 last_tick = now
             if now - last_metrics >= 1.0:
-                status = self.status()
-                status.pop("spec", None)
-                status.pop("rtt", None)
-                self.metrics.emit(status)
+                self.emit_metrics()
                 last_metrics = now
+        self.emit_metrics()  # the final counts, however short the run
+
+    def emit_metrics(self) -> None:
+        status = self.status()
+        status.pop("spec", None)
+        status.pop("rtt", None)
+        self.metrics.emit(status)
+
+    def drain_on_exit(self, timeout_s: float) -> None:
+        """A stop nobody drained first (a signal from a launch file or a shell): close the
+        open episodes as interrupted and give the sink ``timeout_s`` to store everything;
+        what it has not stored by then stays in the spool for the next start."""
+        if not self.draining:
+            self.draining = True
+            self.recorder.drain()
+        if not self.recorder.unacked_chunks:
+            return
+        log.info(
+            "stopping: waiting up to %.0f s for the sink to store %d chunk(s)",
+            timeout_s,
+            self.recorder.unacked_chunks,
+        )
+        poller = zmq.Poller()
+        for sock in self.recorder.sink.sockets():
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while self.recorder.unacked_chunks and time.monotonic() < deadline:
+            poller.poll(int(TICK_S * 1000))
+            self.recorder.pump()
+            self.recorder.sink.tick()
+        if self.recorder.unacked_chunks:
+            log.warning(
+                "%d step(s) not stored by the sink stay in the spool, delivered on the next start",
+                self.recorder.undelivered_steps(),
+            )
 
     def close(self) -> None:
         self.clients.close()
@@ -637,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    lifeline.arm()
     from gateway.config import ConfigError
 
     try:
@@ -655,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         freeze_heap()
         gateway.run()
+        gateway.drain_on_exit(gateway.config.stop_drain_s)
     finally:
         gateway.close()
     return 0

@@ -32,6 +32,7 @@ from typing import Any
 
 import zmq
 
+from gateway import lifeline
 from gateway.config import ConfigError, ExperimentConfig, load_config
 from gateway.live import LiveView
 from gateway.metrics import Histogram, MetricsWriter
@@ -121,8 +122,9 @@ class Supervisor:
     def start(self, proc: Proc) -> None:
         s = proc.service
         log_file = open(self.logs / f"{s.name}.log", "ab")  # noqa: SIM115 - owned by the child process
-        env = {**os.environ, **s.env, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **s.env, **lifeline.child_env(), "PYTHONUNBUFFERED": "1"}
         # Own session: Ctrl-C reaches only the supervisor, which stops children in order.
+        # The lifeline ends the child (and its children) if the supervisor dies first.
         proc.popen = subprocess.Popen(
             s.argv,
             stdout=log_file,
@@ -130,6 +132,7 @@ class Supervisor:
             env=env,
             start_new_session=True,
             cwd=os.getcwd(),
+            preexec_fn=lifeline.die_with_parent,
         )
         log_file.close()
         proc.state = "running"
@@ -219,6 +222,9 @@ class Supervisor:
                 log.warning("%s did not stop in time; killing it", proc.service.name)
                 proc.popen.kill()
                 proc.popen.wait()
+            # Whatever it left in its session (torchrun's ranks) goes with it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.popen.pid, signal.SIGKILL)
             proc.state = "stopped" if proc.state == "stopping" else proc.state
 
     def describe(self) -> list[dict[str, Any]]:
@@ -272,6 +278,15 @@ def write_summary(
 ) -> dict[str, Any]:
     count = count_store(cfg, run_dir)
     acked = int(status.get("acked_steps", 0))
+    # Acknowledged steps the sink had not stored when the gateway stopped are in its
+    # spool, and go to the store when a gateway next starts on this run folder.
+    spooled = int(status.get("spooled_steps", 0))
+    if spooled:
+        log.warning(
+            "%d step(s) in the spool, delivered on resume (start the run again with --run-dir %s)",
+            spooled,
+            run_dir,
+        )
     rtt = Histogram.from_dict(status.get("rtt", {}))
     env_steps = int(status.get("env_steps", 0))
     summary: dict[str, Any] = {
@@ -283,7 +298,8 @@ def write_summary(
         "successful_episodes": count.successful_episodes,
         "acked_steps": acked,
         "stored_steps": count.stored_steps,
-        "lost_steps": max(0, acked - count.stored_steps),
+        "spooled_steps": spooled,
+        "lost_steps": max(0, acked - count.stored_steps - spooled),
         "duplicate_steps": count.duplicate_steps,
         "steps_per_s": round(env_steps / elapsed, 1) if elapsed > 0 else 0.0,
         "rtt_p50_us": round(rtt.percentile(50), 1),
@@ -417,7 +433,9 @@ def drain(control: ControlClient, cfg: ExperimentConfig, status: dict[str, Any])
     """Pause collection and flush the gateway; return its final status."""
     try:
         control.request("pause", timeout_s=5.0)
-        return control.request("drain", timeout_s=cfg.run.drain_timeout_s)
+        # The gateway answers by its own deadline, stored or not, before ours passes.
+        timeout_s = cfg.run.drain_timeout_s
+        return control.request("drain", timeout_s=timeout_s + 5.0, deadline_s=timeout_s)
     except (Timeout, RemoteError) as exc:
         log.error("gateway did not drain (%s); counting what reached the store", exc)
         return status

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gateway import steps
+from gateway import lifeline, steps
 from gateway.episode import EpisodeBackend, Obs
 from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError, pack, recv, send
 from gateway.services import freeze_heap
@@ -393,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    lifeline.arm()
     backend_name, num_envs, seed, options, heartbeat, timeout, curve = (
         "mujoco_reach",
         1,

@@ -22,6 +22,22 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
+_test_deadline: list[float] = [float("inf")]
+"""When pytest-timeout stops the running test (monotonic time)."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("timeout")
+    limit = marker.args[0] if marker and marker.args else item.config.getini("timeout")
+    _test_deadline[0] = time.monotonic() + float(limit) if limit else float("inf")
+
+
+def time_left(margin: float = 20.0) -> float:
+    """Seconds until pytest-timeout would stop this test, less ``margin`` for teardown:
+    the deadline a test's own waits use, so that they fail first, with their message."""
+    return max(1.0, _test_deadline[0] - time.monotonic() - margin)
+
 
 def wait_for(
     predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05, what: str = "condition"

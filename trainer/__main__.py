@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gateway import lifeline
+
 if TYPE_CHECKING:  # imported lazily below, so that --help stays fast
     from gateway.config import ExperimentConfig
     from trainer.distributed import World
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    lifeline.arm()
     from gateway.config import ConfigError, load_config
 
     try:

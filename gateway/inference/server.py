@@ -41,6 +41,7 @@ from typing import Any
 
 import zmq
 
+from gateway import lifeline
 from gateway.config import ConfigError, to_plain
 from gateway.episode import EnvSpec
 from gateway.inference.backends import Backend, LoadedPolicy, make_backend
@@ -488,6 +489,7 @@ def build_server(args: argparse.Namespace) -> InferenceServer:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    lifeline.arm()
     # While the loader builds a version, a short switch interval keeps the socket
     # thread from waiting 5 ms for the interpreter lock between two batches.
     sys.setswitchinterval(SWITCH_INTERVAL_S)

@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gateway import lifeline
+
 log = logging.getLogger(__name__)
 
 SERVE_EXAMPLE = (
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_import_parser() if importing else build_serve_parser()
     args = parser.parse_args(args_list[1:] if importing else args_list)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    lifeline.arm()
     if importing:
         return run_import(args)
     from trainer.replay.service import serve
