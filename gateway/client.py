@@ -17,11 +17,25 @@ The address is the gateway's ``clients`` endpoint (``endpoints.json`` of the run
 Every call has a deadline (``timeout_s``) and raises :class:`~gateway.protocol.Timeout`
 instead of hanging; errors from the gateway arrive as
 :class:`~gateway.protocol.RemoteError`.
+
+The gateway's stop states apply to scripts as to its own policy. While the e-stop is
+engaged, collection is paused, the step budget is reached or the replay service pushes
+back, ``reset`` and ``step`` wait: the gateway says so about once a second (the reason
+is logged and in :attr:`GatewayEnv.held`), and the call returns once the state lifts
+(or raises :class:`Held` after ``hold_timeout_s``, if given). When the run ends, calls
+raise :class:`~gateway.protocol.RunEnded`::
+
+    try:
+        while True:
+            obs, reward, terminated, truncated, info = env.step(policy(obs))
+    except RunEnded:
+        pass    # budget spent or run stopped: every acknowledged step is stored
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -32,9 +46,25 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from gateway.episode import EnvSpec
-from gateway.protocol import Message, MsgType, Timeout, raise_for_error, recv, send, unpack
+from gateway.protocol import Message, MsgType, RunEnded, Timeout, raise_for_error, recv, send, unpack
 from gateway.steps import StepInfo
 from gateway.transport import CurveKeys, connect, make_socket
+
+__all__ = ["GatewayEnv", "GatewayVectorEnv", "Held", "RunEnded"]
+
+log = logging.getLogger(__name__)
+
+HELD_LOG_S = 30.0
+"""A call held that long is logged again (with the reason) so a long wait is never silent."""
+
+
+class Held(Timeout):
+    """A call was held by the gateway (pause, e-stop, budget, backpressure) for longer than
+    ``hold_timeout_s``; ``reason`` says which."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"held by the gateway ({reason}): {message}")
+        self.reason = reason
 
 
 class _Connection:
@@ -50,8 +80,12 @@ class _Connection:
         timeout_s: float,
         keys: CurveKeys | None,
         version: int,
+        hold_timeout_s: float | None = None,
     ) -> None:
         self.timeout_s = timeout_s
+        self.hold_timeout_s = hold_timeout_s
+        self.held: str | None = None
+        """Why the gateway holds the call in progress (None: it does not)."""
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self.sock = make_socket(self._ctx, zmq.DEALER)
         connect(self.sock, address, keys)
@@ -73,13 +107,30 @@ class _Connection:
         msg.seq = self._seq
         send(self.sock, msg)
         deadline = time.monotonic() + self.timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.sock.poll(int(remaining * 1000)):
-                raise Timeout(f"{msg.type.name}: no answer from the gateway within {self.timeout_s} s")
-            reply = recv(self.sock)
-            if reply.seq == self._seq:  # anything older answers a call that timed out
-                return raise_for_error(reply)
+        held_since = logged = 0.0
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self.sock.poll(int(remaining * 1000)):
+                    raise Timeout(f"{msg.type.name}: no answer from the gateway within {self.timeout_s} s")
+                reply = recv(self.sock)
+                if reply.seq != self._seq:  # anything older answers a call that timed out
+                    continue
+                if reply.type is not MsgType.HELD:
+                    return raise_for_error(reply)
+                # The gateway is alive and holds the call: wait on, with a fresh deadline.
+                now = time.monotonic()
+                reason, text = str(reply.meta.get("reason")), str(reply.meta.get("message", ""))
+                if reason != self.held or now - logged >= HELD_LOG_S:
+                    log.info("%s held by the gateway (%s): %s", msg.type.name, reason, text)
+                    logged = now
+                held_since = held_since or now
+                self.held = reason
+                if self.hold_timeout_s is not None and now - held_since > self.hold_timeout_s:
+                    raise Held(reason, text)
+                deadline = now + self.timeout_s
+        finally:
+            self.held = None
 
     def close(self) -> None:
         if not self.sock.closed:
@@ -104,9 +155,17 @@ class GatewayEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         timeout_s: float = 10.0,
         keys: CurveKeys | None = None,
         version: int = 0,
+        hold_timeout_s: float | None = None,
     ) -> None:
         self._conn = _Connection(
-            address, 1, worker=worker, takeover=takeover, timeout_s=timeout_s, keys=keys, version=version
+            address,
+            1,
+            worker=worker,
+            takeover=takeover,
+            timeout_s=timeout_s,
+            keys=keys,
+            version=version,
+            hold_timeout_s=hold_timeout_s,
         )
         self.spec_ = self._conn.spec
         self.observation_space = self.spec_.observation_space()
@@ -117,6 +176,11 @@ class GatewayEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
     @property
     def worker(self) -> str:
         return self._conn.worker
+
+    @property
+    def held(self) -> str | None:
+        """Why the gateway holds the call in progress, from another thread (None: it does not)."""
+        return self._conn.held
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -162,6 +226,7 @@ class GatewayVectorEnv(VectorEnv[dict[str, np.ndarray], np.ndarray, np.ndarray])
         timeout_s: float = 10.0,
         keys: CurveKeys | None = None,
         version: int = 0,
+        hold_timeout_s: float | None = None,
     ) -> None:
         self._conn = _Connection(
             address,
@@ -171,6 +236,7 @@ class GatewayVectorEnv(VectorEnv[dict[str, np.ndarray], np.ndarray, np.ndarray])
             timeout_s=timeout_s,
             keys=keys,
             version=version,
+            hold_timeout_s=hold_timeout_s,
         )
         self.num_envs = self._conn.num_envs
         spec = self._conn.spec
@@ -208,6 +274,11 @@ class GatewayVectorEnv(VectorEnv[dict[str, np.ndarray], np.ndarray, np.ndarray])
                 final_obs[i] = _row(final, i) if done[i] else None
             info["final_obs"], info["_final_obs"] = final_obs, done
         return obs, result.reward, terminated, truncated, info
+
+    @property
+    def held(self) -> str | None:
+        """Why the gateway holds the call in progress, from another thread (None: it does not)."""
+        return self._conn.held
 
     def close_extras(self, **kwargs: Any) -> None:
         self._conn.close()

@@ -107,10 +107,15 @@ class GatewayConfig:
     """When the spool calls fsync: a killed process never loses written steps; fsync protects against power loss."""
     spool_fsync_interval_s: float = 1.0
     """fsync period with ``spool_fsync: interval``."""
+    stop_drain_s: float = 10.0
+    """At a stop nobody drained first (a signal): how long the sink gets to store what is
+    recorded before the gateway exits; the rest stays in the spool for the next start."""
     limits: Limits = field(default_factory=Limits)
     """Size limits for incoming messages."""
 
     def __post_init__(self) -> None:
+        if self.stop_drain_s < 0:
+            raise ConfigError(f"gateway.stop_drain_s must be >= 0, got {self.stop_drain_s}")
         for name in ("worker_port", "client_port", "control_port"):
             port = getattr(self, name)
             if not 0 <= port < 65536:

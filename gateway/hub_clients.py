@@ -9,6 +9,13 @@ resets and actions. Everything the worker does is still recorded like any other 
 When the experiment's policy drives the workers (``policy.kind`` other than
 ``external``), attaching needs ``takeover: true`` in the HELLO: the policy gets the
 worker back when the client says BYE or falls silent and another client needs it.
+
+The gateway's stop states hold clients as they hold the policy: while the e-stop is
+engaged, collection is paused, the step budget is reached or the sink pushes back, a
+client's RESET or STEP waits at the gateway (the worker's envs do not move) and the
+client is sent HELD ``{reason, message}`` about once a second; the request goes ahead
+once the state lifts. While the run drains (it is ending) the request is answered with
+the error ``run_ended``.
 """
 
 from __future__ import annotations
@@ -40,6 +47,14 @@ class ClientState:
     reset_request: tuple[Any, Any] | None = None
     """A reset asked for while the worker was busy: (seed, options)."""
     version: int = 0
+    held: Message | None = None
+    """A RESET or STEP that a stop state holds back (see :meth:`ClientRouter.release_held`)."""
+    held_notice: float = 0.0
+    """When the client was last told that its request is held (monotonic)."""
+
+
+HELD_NOTICE_S = 1.0
+"""How often a client with a held request hears why (it resets the client's deadline)."""
 
 
 class ClientRouter:
@@ -74,10 +89,8 @@ class ClientRouter:
                     return
                 raise ProtocolError(ErrorCode.NOT_REGISTERED, f"send HELLO before {msg.type.name}")
             state.last_seen = time.monotonic()
-            if msg.type is MsgType.RESET:
-                self.on_reset(state, msg)
-            elif msg.type is MsgType.STEP:
-                self.on_step(state, msg)
+            if msg.type in (MsgType.RESET, MsgType.STEP):
+                self.on_request(state, msg)
             elif msg.type is MsgType.HEARTBEAT:
                 send(self.sock, Message(MsgType.HEARTBEAT, seq=msg.seq), route=[route])
             elif msg.type is MsgType.BYE:
@@ -134,6 +147,56 @@ class ClientRouter:
         state = self.clients.get(route)
         return state is None or now - state.last_seen > self.gateway.config.worker_timeout_s
 
+    def on_request(self, state: ClientState, msg: Message) -> None:
+        """A RESET or STEP: hold it while a stop state lasts, else pass it on."""
+        if state.held is not None:
+            raise ProtocolError(
+                ErrorCode.UNEXPECTED, "the previous reset or step is still held; wait for its answer"
+            )
+        reason = self.gateway.hold_reason(policy=False)
+        if reason == "draining":
+            raise ProtocolError(ErrorCode.RUN_ENDED, self.gateway.hold_message(reason))
+        if reason is not None:
+            self._session(state)  # a client of a worker that is gone hears so at once
+            if msg.type is MsgType.STEP:
+                self._check_step(state, msg)  # a bad action is refused now, not after the hold
+            state.held = msg
+            self._notify_held(state, reason, time.monotonic())
+            return
+        if msg.type is MsgType.RESET:
+            self.on_reset(state, msg)
+        else:
+            self.on_step(state, msg)
+
+    def _notify_held(self, state: ClientState, reason: str, now: float) -> None:
+        assert state.held is not None
+        state.held_notice = now
+        meta = {"reason": reason, "message": self.gateway.hold_message(reason)}
+        send(self.sock, Message(MsgType.HELD, seq=state.held.seq, meta=meta), route=[state.route])
+
+    def release_held(self) -> None:
+        """Go ahead with held requests whose stop state lifted; tell the others why they wait."""
+        now = time.monotonic()
+        reason = self.gateway.hold_reason(policy=False)
+        for state in [s for s in self.clients.values() if s.held is not None]:
+            msg = state.held
+            assert msg is not None
+            try:
+                if reason == "draining":
+                    state.held = None
+                    raise ProtocolError(ErrorCode.RUN_ENDED, self.gateway.hold_message(reason))
+                if reason is not None:
+                    if now - state.held_notice >= HELD_NOTICE_S:
+                        self._notify_held(state, reason, now)
+                    continue
+                state.held = None
+                if msg.type is MsgType.RESET:
+                    self.on_reset(state, msg)
+                else:
+                    self.on_step(state, msg)
+            except ProtocolError as exc:
+                self.gateway.reply_error(self.sock, state.route, exc, msg.seq)
+
     def on_reset(self, state: ClientState, msg: Message) -> None:
         session = self._session(state)
         seed, options = msg.meta.get("seed"), msg.meta.get("options")
@@ -145,12 +208,9 @@ class ClientRouter:
         else:
             state.reset_request = (seed, options)
 
-    def on_step(self, state: ClientState, msg: Message) -> None:
+    def _check_step(self, state: ClientState, msg: Message) -> np.ndarray:
+        """The STEP's action, checked against the spec and the worker's env count."""
         session = self._session(state)
-        if session.awaiting is None or state.reset_request is not None:
-            raise ProtocolError(
-                ErrorCode.UNEXPECTED, "the previous reset or step is still running; wait for its answer"
-            )
         action = msg.arrays.get("action")
         if action is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "STEP needs an 'action' array")
@@ -158,6 +218,15 @@ class ClientRouter:
         problems = self.gateway.spec.check_action(np.asarray(action), session.num_envs)
         if problems:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "action: " + "; ".join(problems))
+        return np.asarray(action)
+
+    def on_step(self, state: ClientState, msg: Message) -> None:
+        session = self._session(state)
+        if session.awaiting is None or state.reset_request is not None:
+            raise ProtocolError(
+                ErrorCode.UNEXPECTED, "the previous reset or step is still running; wait for its answer"
+            )
+        action = self._check_step(state, msg)
         state.waiting_seq = msg.seq
         versions = np.full(session.num_envs, state.version, dtype=np.int64)
         self.gateway.send_action(session, session.awaiting, np.array(action), versions)

@@ -6,7 +6,9 @@ COMMAND ``{"cmd": ...}`` -> REPLY, or ERROR (``bad_request``) naming what is wro
 - ``estop {engaged, reason}``: every worker holds (or resumes) at once;
 - ``ready {worker?, env?}``: robots waiting for an operator at reset may start;
 - ``evaluate {episodes}``; ``trainer_version {version, t, max_policy_lag?}``;
-- ``drain``: answered once every recorded chunk is acknowledged by the sink;
+- ``drain {deadline_s?}``: answered once every recorded chunk is acknowledged by the sink,
+  or after ``deadline_s`` with ``drained: false`` and ``spooled_steps`` (what stays in the
+  spool, delivered on the next start);
 - ``shutdown``.
 
 The collection state these change (paused, e-stop, budget, draining) stays on the
@@ -37,8 +39,9 @@ class ControlDesk:
         self.gateway = gateway
         self.sock = make_socket(ctx, zmq.ROUTER)
         self.address = bind(self.sock, address, keys)
-        self.drain_replies: list[tuple[bytes, int]] = []
-        """``drain`` requests waiting for the sink to acknowledge everything."""
+        self.drain_replies: list[tuple[bytes, int, float]] = []
+        """``drain`` requests waiting for the sink to acknowledge everything: route, seq
+        and the monotonic time by which they are answered anyway."""
 
     def on_message(self) -> None:
         gw = self.gateway
@@ -54,9 +57,21 @@ class ControlDesk:
                 )
             cmd = msg.meta.get("cmd")
             if cmd == "drain":
+                deadline_s = msg.meta.get("deadline_s", 3600.0)
+                if (
+                    not isinstance(deadline_s, (int, float))
+                    or isinstance(deadline_s, bool)
+                    or deadline_s <= 0
+                ):
+                    raise ProtocolError(
+                        ErrorCode.BAD_REQUEST, f"deadline_s must be a positive number, got {deadline_s!r}"
+                    )
+                if not gw.draining:
+                    log.info("draining: closing open episodes and waiting for the sink to store them")
                 gw.draining = True
                 gw.recorder.drain()
-                self.drain_replies.append((route, msg.seq))
+                gw.clients.release_held()  # held clients hear that the run ends
+                self.drain_replies.append((route, msg.seq, time.monotonic() + float(deadline_s)))
                 return
             result = self.command(cmd, msg.meta)
             send(self.sock, Message(MsgType.REPLY, seq=msg.seq, meta=result), route=[route])
@@ -64,11 +79,27 @@ class ControlDesk:
             gw.reply_error(self.sock, route, exc, msg.seq)
 
     def answer_drains(self) -> None:
-        """Everything is acknowledged: answer the waiting ``drain`` requests with the status."""
-        for route, seq in self.drain_replies:
-            meta = {"drained": True, **self.gateway.status()}
+        """Answer waiting ``drain`` requests: all of them once the sink acknowledged
+        everything, the others when their deadline passes (``drained: false``)."""
+        if not self.drain_replies:
+            return
+        drained = self.gateway.recorder.unacked_chunks == 0
+        now = time.monotonic()
+        due = [r for r in self.drain_replies if drained or now >= r[2]]
+        if not due:
+            return
+        status = self.gateway.status()
+        if not drained:
+            log.warning(
+                "drain deadline: %d step(s) not stored by the sink (%s) stay in the spool, "
+                "delivered when the gateway next starts on this run folder",
+                status["spooled_steps"],
+                status["sink"],
+            )
+        for route, seq, _ in due:
+            meta = {"drained": drained, **status}
             send(self.sock, Message(MsgType.REPLY, seq=seq, meta=meta), route=[route])
-        self.drain_replies.clear()
+        self.drain_replies = [r for r in self.drain_replies if r not in due]
 
     def command(self, cmd: Any, meta: dict[str, Any]) -> dict[str, Any]:
         gw = self.gateway

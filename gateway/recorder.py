@@ -269,6 +269,12 @@ class Recorder:
     def unacked_chunks(self) -> int:
         return len(self._inflight)
 
+    def undelivered_steps(self) -> int:
+        """Acknowledged steps the sink has not stored yet: safe in the spool, and
+        delivered from it on the next start if this process ends first."""
+        self.apply_pending()
+        return sum(n for _, _, n in self._inflight.values()) + sum(len(ep.rows) for ep in self.open.values())
+
     def _append(self, msg: Message) -> Any:
         if self._spool.current_size > self.segment_bytes:
             self._roll_with_snapshot()

@@ -13,7 +13,7 @@ from gateway.protocol.codec import (
     recv_routed,
     send,
 )
-from gateway.protocol.errors import ErrorCode, ProtocolError, RemoteError, Timeout
+from gateway.protocol.errors import ErrorCode, ProtocolError, RemoteError, RunEnded, Timeout
 from gateway.protocol.messages import (
     PROTOCOL_VERSION,
     Message,
@@ -33,6 +33,7 @@ __all__ = [
     "MsgType",
     "ProtocolError",
     "RemoteError",
+    "RunEnded",
     "Timeout",
     "decode",
     "encode",
@@ -47,7 +48,10 @@ __all__ = [
 
 
 def raise_for_error(msg: Message) -> Message:
-    """Return ``msg`` unless it is an ERROR, which is raised as :class:`RemoteError`."""
+    """Return ``msg`` unless it is an ERROR, which is raised as :class:`RemoteError`
+    (:class:`RunEnded` for ``run_ended``)."""
     if msg.type is MsgType.ERROR:
-        raise RemoteError(str(msg.meta.get("code", "?")), str(msg.meta.get("message", "")), msg.seq)
+        code = str(msg.meta.get("code", "?"))
+        kind = RunEnded if code == ErrorCode.RUN_ENDED.value else RemoteError
+        raise kind(code, str(msg.meta.get("message", "")), msg.seq)
     return msg

@@ -52,6 +52,8 @@ class ErrorCode(str, Enum):
     """A rate limiter holds the request back."""
     STORAGE = "storage"
     """Durable storage failed (disk full, I/O error)."""
+    RUN_ENDED = "run_ended"
+    """The run is stopping (draining): no further steps are taken."""
     INTERNAL = "internal"
     """A bug on the answering side; its log has the details."""
 
@@ -73,6 +75,11 @@ class RemoteError(Exception):
         self.code = code
         self.message = message
         self.ref = ref
+
+
+class RunEnded(RemoteError):
+    """The gateway's run is over (its step budget was spent, or it is stopping): a
+    script driving it should end its loop."""
 
 
 class Timeout(Exception):

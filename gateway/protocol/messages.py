@@ -61,6 +61,9 @@ class MsgType(IntEnum):
     """Ask a replay table for a batch."""
     BATCH = 18
     """A sampled batch."""
+    HELD = 19
+    """The gateway holds a client's request (pause, e-stop, budget, backpressure): meta
+    ``reason`` and ``message``; repeated while held, and the answer follows once it lifts."""
 
 
 @dataclass(slots=True)

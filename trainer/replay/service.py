@@ -32,9 +32,9 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -54,6 +54,9 @@ from trainer.replay.config import ReplayConfig
 from trainer.replay.core import ReplayBuffer, Waiting
 from trainer.replay.ingest import Ingest
 from trainer.replay.log import LOG_DIR, ReplayLog
+
+if TYPE_CHECKING:
+    from gateway.config import ExperimentConfig
 
 log = logging.getLogger(__name__)
 
@@ -421,6 +424,31 @@ def service_addresses(cfg: Any, run_dir: Path) -> dict[str, str]:
     )
 
 
+def without_idle_limiters(cfg: ExperimentConfig) -> ReplayConfig:
+    """The replay block with no samples-per-insert ratio on tables no trainer samples.
+
+    Such a ratio waits for samples that never come: inserts would stop after the error
+    buffer, the ingest would refuse chunks as rate limited, and collection would stall
+    for a sampler that does not exist (``trainer.enabled: false``, or a table missing
+    from ``trainer.tables``).
+    """
+    sampled = set(cfg.trainer.tables) if cfg.trainer.enabled else set()
+    tables = []
+    for table in cfg.replay.tables:
+        if table.samples_per_insert is not None and table.name not in sampled:
+            log.warning(
+                "table %s: samples_per_insert %s is not enforced: no trainer samples it in this run "
+                "(trainer.enabled: %s, trainer.tables: %s)",
+                table.name,
+                table.samples_per_insert,
+                cfg.trainer.enabled,
+                sorted(cfg.trainer.tables),
+            )
+            table = replace(table, samples_per_insert=None)
+        tables.append(table)
+    return replace(cfg.replay, tables=tables)
+
+
 def serve(args: argparse.Namespace) -> int:
     from gateway.config import ConfigError, load_config
 
@@ -431,7 +459,7 @@ def serve(args: argparse.Namespace) -> int:
         addresses = service_addresses(cfg, run_dir)
         keys = CurveKeys.load(cfg.gateway.curve_keys) if cfg.gateway.curve_keys else None
         service = ReplayService(
-            cfg.replay,
+            without_idle_limiters(cfg),
             run_dir,
             addresses,
             keys=keys,

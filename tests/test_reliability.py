@@ -1,0 +1,232 @@
+"""Nothing acknowledged is lost, stop states hold every driver, and nothing outlives its run.
+
+Each test drives a real run the way a user does: their own script through
+``gateway.client``, ``loopgate up`` stopped with Ctrl-C or killed outright.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from gateway.client import GatewayVectorEnv
+from gateway.protocol import RunEnded
+from tests.conftest import REPO, time_left, wait_for
+
+
+def external_config(tmp_path: Path, **blocks: Any) -> Path:
+    cfg: dict[str, Any] = {
+        "env": {"backend": "mujoco_reach", "workers": 1, "num_envs": 4, "seed": 0},
+        "policy": {"kind": "external"},
+        "run": {"max_env_steps": None, "status_interval_s": 0.2},
+        **blocks,
+    }
+    path = tmp_path / "external.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def up(path: Path, run: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway", "up", str(path), "--run-dir", str(run), *extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def clients_address(run: Path) -> str:
+    """The run's client endpoint, once its workers are registered."""
+    from gateway.supervisor import ControlClient
+
+    endpoints = run / "endpoints.json"
+    wait_for(lambda: endpoints.exists(), timeout=60, what="endpoints.json")
+    gateway = json.loads(endpoints.read_text())["gateway"]
+    control = ControlClient(gateway["control"])
+
+    def workers() -> bool:
+        from gateway.protocol import Timeout
+
+        try:
+            return bool(control.request("status", timeout_s=1.0)["workers"])
+        except Timeout:
+            return False
+
+    try:
+        wait_for(workers, timeout=120, interval=0.2, what="a registered worker")
+    finally:
+        control.close()
+    return str(gateway["clients"])
+
+
+def ended(proc: subprocess.Popen[str], run: Path) -> tuple[str, dict[str, Any]]:
+    try:
+        out, _ = proc.communicate(timeout=time_left())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    return out, json.loads((run / "summary.json").read_text())
+
+
+@pytest.mark.e2e
+def test_a_script_against_a_rate_limited_table_with_no_trainer_loses_nothing(tmp_path):
+    """The table's samples-per-insert ratio waits for a sampler this run does not have:
+    the script must be able to go on, and every step it was acknowledged must be stored."""
+    table = {
+        "name": "online",
+        "min_size_to_sample": 200,
+        "samples_per_insert": 64,
+        "error_buffer": 1000,
+        "max_pending": 100,
+    }
+    path = external_config(tmp_path, replay={"enabled": True, "tables": [table]})
+    run = tmp_path / "run"
+    proc = up(path, run)
+    try:
+        # A step held for backpressure past a minute fails the test instead of hanging it.
+        venv = GatewayVectorEnv(clients_address(run), num_envs=4, timeout_s=30, hold_timeout_s=60)
+        venv.reset(seed=0)
+        for _ in range(300):
+            venv.step(venv.action_space.sample())
+        venv.close()
+        proc.send_signal(signal.SIGINT)
+    except BaseException:
+        proc.kill()
+        raise
+    out, summary = ended(proc, run)
+    assert summary["outcome"] == "interrupted", out[-3000:]
+    assert summary["acked_steps"] >= 1200
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0, summary
+    assert summary["stored_steps"] == summary["acked_steps"], summary
+    assert "is not enforced: no trainer samples it" in (run / "logs" / "replay.log").read_text()
+
+
+@pytest.mark.e2e
+def test_a_script_stops_exactly_at_the_step_budget_and_hears_that_the_run_ended(tmp_path):
+    run = tmp_path / "run"
+    proc = up(external_config(tmp_path), run, "--max-env-steps", "400")
+    steps = 0
+    try:
+        venv = GatewayVectorEnv(clients_address(run), num_envs=4, timeout_s=30)
+        venv.reset(seed=0)
+        with pytest.raises(RunEnded) as info:
+            for _ in range(1000):
+                venv.step(venv.action_space.sample())
+                steps += 4
+        venv.close()
+    except BaseException:
+        proc.kill()
+        raise
+    assert "ending" in info.value.message
+    out, summary = ended(proc, run)
+    assert summary["outcome"] == "completed", out[-3000:]
+    assert steps == summary["env_steps"] == summary["stored_steps"] == 400, (steps, summary)
+    assert summary["lost_steps"] == 0
+
+
+def held_step(venv: GatewayVectorEnv) -> tuple[threading.Thread, list[Any]]:
+    """A step in a thread of its own (the gateway may hold it); its result or error lands in the list."""
+    out: list[Any] = []
+
+    def go() -> None:
+        try:
+            out.append(venv.step(venv.action_space.sample()))
+        except Exception as exc:  # handed to the test thread, which asserts on it
+            out.append(exc)
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("engage", "release", "reason"), [("pause", "resume", "paused"), ("estop", "estop", "estop")]
+)
+def test_pause_and_estop_hold_a_script_driven_sim_until_released(gateway_run, engage, release, reason):
+    run = gateway_run({"env": {"backend": "mujoco_reach", "num_envs": 2}, "policy": {"kind": "external"}})
+    run.worker(0)
+    wait_for(lambda: run.status()["workers"], what="worker registered")
+    venv = GatewayVectorEnv(run.endpoints["clients"], num_envs=2, timeout_s=10)
+    try:
+        venv.reset(seed=0)
+        for _ in range(3):
+            venv.step(venv.action_space.sample())
+        before = run.status()["env_steps"]
+        run.control.request(engage, timeout_s=5.0, **({"engaged": True} if engage == "estop" else {}))
+        thread, result = held_step(venv)
+        wait_for(lambda: venv.held == reason, what=f"the step to be held ({reason})")
+        wait_for(lambda: run.status()["held"] == reason, what="the gateway's status to say why")
+        # The sim did not move: the held step never reached the worker.
+        assert run.status()["env_steps"] == before and not result
+        run.control.request(release, timeout_s=5.0, **({"engaged": False} if engage == "estop" else {}))
+        thread.join(timeout=15)
+        assert result and not isinstance(result[0], Exception), result
+        _obs, reward, *_ = result[0]
+        assert reward.shape == (2,) and venv.held is None
+        venv.step(venv.action_space.sample())
+        wait_for(lambda: run.status()["env_steps"] >= before + 2, what="the held step recorded")
+    finally:
+        venv.close()
+
+
+@pytest.mark.integration
+def test_a_drained_gateway_answers_held_and_new_steps_with_run_ended(gateway_run):
+    run = gateway_run({"env": {"backend": "mujoco_reach", "num_envs": 2}, "policy": {"kind": "external"}})
+    run.worker(0)
+    wait_for(lambda: run.status()["workers"], what="worker registered")
+    venv = GatewayVectorEnv(run.endpoints["clients"], num_envs=2, timeout_s=10)
+    try:
+        venv.reset(seed=0)
+        venv.step(venv.action_space.sample())
+        run.control.request("pause", timeout_s=5.0)
+        thread, result = held_step(venv)
+        wait_for(lambda: venv.held == "paused", what="the step to be held")
+        final = run.control.request("drain", timeout_s=20.0)
+        thread.join(timeout=15)
+        assert result and isinstance(result[0], RunEnded), result
+        assert final["drained"] and final["spooled_steps"] == 0
+        with pytest.raises(RunEnded):
+            venv.step(np.zeros((2, 3), np.float32))
+    finally:
+        venv.close()
+
+
+def run_processes(run: Path) -> list[str]:
+    """Command lines of live processes that belong to ``run`` (they name its folder)."""
+    found = subprocess.run(["pgrep", "-af", str(run)], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if "pgrep" not in line]
+
+
+@pytest.mark.e2e
+def test_killing_the_supervisor_outright_leaves_no_process_of_its_run(tmp_path):
+    from tests.test_trainer_e2e import config, trainer_records
+
+    run = tmp_path / "run"
+    proc = up(config(tmp_path, max_updates=100_000), run)
+    try:
+        wait_for(
+            lambda: len(trainer_records(run)) >= 2, timeout=240, interval=0.5, what="the trainer at work"
+        )
+        names = "\n".join(run_processes(run))
+        assert "torch.distributed.run" in names and "gateway.worker" in names, names
+        proc.kill()  # SIGKILL: no handler runs, nothing is stopped in order
+        proc.wait(timeout=10)
+        wait_for(lambda: not run_processes(run), timeout=45, interval=0.5, what="every service to end")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for line in run_processes(run):  # never leave a failed test's processes behind
+            os.kill(int(line.split()[0]), signal.SIGKILL)
