@@ -67,6 +67,11 @@ class Evaluator:
         self.round = EvalRound(self.rounds, episodes, env_steps)
         return {"started": True, "round": self.rounds, "episodes": episodes}
 
+    @property
+    def running(self) -> bool:
+        """A round is under way (not all of its episodes have ended)."""
+        return self.round is not None and not self.round.done
+
     def flags(self, uid: str, num_envs: int) -> np.ndarray:
         flags = self._flags.get(uid)
         if flags is None or len(flags) != num_envs:
@@ -134,7 +139,7 @@ class Evaluator:
     def status(self) -> dict[str, Any]:
         r = self.round
         return {
-            "running": r is not None and not r.done,
+            "running": self.running,
             "current": r.summary() if r is not None else None,
             "last": self.history[-1] if self.history else None,
             "rounds_done": len(self.history),

@@ -158,7 +158,7 @@ class Gateway:
 
     def hold_reason(self, *, policy: bool = True) -> str | None:
         """Why no step may be taken now, or None: ``estop``, ``draining`` (the run is
-        ending), ``paused``, ``budget``, ``backpressure`` (the sink is not storing) or,
+        ending), ``paused``, ``budget`` (spent, and no evaluation round running), ``backpressure`` (the sink is not storing) or,
         for the experiment's own policy (``policy``), ``policy_lag``. The same states
         hold policy-driven and script-driven workers alike."""
         if self.estopped:
@@ -167,8 +167,8 @@ class Gateway:
             return "draining"
         if self.paused:
             return "paused"
-        if self.budget_reached:
-            return "budget"
+        if self.budget_reached and not self.evaluator.running:
+            return "budget"  # evaluation rounds (the final one) run outside the budget
         if self.recorder.sink.blocked:
             return "backpressure"
         if policy and self.lag_exceeded:

@@ -125,6 +125,7 @@ process starts (e.g. networks that do not fit the env spec)."""
 FINALIZERS: dict[str, str] = {
     "trainer": "trainer.summary:final_evaluation",
 }
-"""By config block (when enabled): ``func(cfg, control, run_dir) -> dict`` run by
-``loopgate up`` after collection ends and before the gateway drains (e.g. the final
-evaluation); the dict goes into ``summary.json``."""
+"""By config block (when enabled): ``func(cfg, control, run_dir, *, should_stop) -> dict``
+run by ``loopgate up`` after collection ends and before the gateway drains (e.g. the final
+evaluation; ``should_stop()`` turns true at Ctrl-C, and every wait must end then); the dict
+goes into ``summary.json``."""

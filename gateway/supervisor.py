@@ -138,8 +138,9 @@ class Supervisor:
         proc.state = "running"
         log.debug("started %s (pid %d): %s", s.name, proc.popen.pid, " ".join(s.argv))
 
-    def start_all(self, ready: Any) -> None:
-        """Start services group by group (same ``order``), waiting for ``ready(group)``."""
+    def start_all(self, ready: Any, should_stop: Any = lambda: False) -> None:
+        """Start services group by group (same ``order``), waiting for ``ready(group)``
+        (up to each group's ``ready_timeout_s``; ``should_stop()`` ends the wait)."""
         groups: dict[int, list[Proc]] = {}
         for proc in self.procs.values():
             groups.setdefault(proc.service.order, []).append(proc)
@@ -148,9 +149,14 @@ class Supervisor:
                 self.start(proc)
             timeout = max(p.service.ready_timeout_s for p in groups[order])
             deadline = time.monotonic() + timeout
+            log.info(
+                "waiting up to %.0f s for %s to be ready",
+                timeout,
+                ", ".join(p.service.name for p in groups[order]),
+            )
             while not ready(groups[order]):
                 self.supervise()
-                if self.failed:
+                if self.failed or should_stop():
                     return
                 if time.monotonic() > deadline:
                     self.failed = (
@@ -369,6 +375,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def _sigint(signum: int, frame: Any) -> None:
         interrupted["n"] += 1
+        if interrupted["n"] == 1:
+            log.warning(
+                "%s: stopping gracefully (drain, stop services, write summary.json within about %.0f s); "
+                "a second one kills everything",
+                signal.Signals(signum).name,
+                2 * cfg.run.drain_timeout_s + 10,
+            )
         if interrupted["n"] > 1:
             log.warning("second interrupt: killing everything")
             sup.stop(timeout_s=0.5)
@@ -391,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     waits_for_finish = any(s.finishes for s in services)
     final: dict[str, Any] = {}
     try:
-        sup.start_all(ready)
+        sup.start_all(ready, should_stop=lambda: interrupted["n"] > 0)
         collect_start = time.monotonic()
         with LiveView(cfg.name, cfg.run.max_env_steps) as view:
             while not sup.failed and not interrupted["n"]:
@@ -417,7 +430,10 @@ def main(argv: list[str] | None = None) -> int:
         if outcome == "completed":
             for block in FINALIZERS:
                 if cfg.has(block) and getattr(getattr(cfg, block), "enabled", False):
-                    final.update(resolve(FINALIZERS, block, "finalizer")(cfg, control, run.run_dir))
+                    finalizer = resolve(FINALIZERS, block, "finalizer")
+                    final.update(
+                        finalizer(cfg, control, run.run_dir, should_stop=lambda: interrupted["n"] > 0)
+                    )
         status = drain(control, cfg, status)
     finally:
         sup.stop(timeout_s=cfg.run.drain_timeout_s)

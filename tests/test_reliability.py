@@ -230,3 +230,43 @@ def test_killing_the_supervisor_outright_leaves_no_process_of_its_run(tmp_path):
             proc.kill()
         for line in run_processes(run):  # never leave a failed test's processes behind
             os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("budget", [300, 1500], ids=["below-what-the-trainer-needs", "mid-training"])
+def test_a_spent_step_budget_ends_a_training_run_with_its_final_evaluation(tmp_path, budget):
+    """300 steps never fill the table to min_size_to_sample (500): the trainer must learn
+    that no more data comes. At 1500 it trains, stops, and the final evaluation runs
+    outside the budget (the gateway holds budget-spent steps, but not evaluation ones)."""
+    from tests.test_trainer_e2e import config
+
+    run = tmp_path / "run"
+    proc = up(config(tmp_path, max_updates=100_000, eval_every=0), run, "--max-env-steps", str(budget))
+    out, summary = ended(proc, run)
+    assert summary["outcome"] == "completed", out[-3000:]
+    assert summary["eval_episodes"] == 8, summary
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
+    log = (run / "logs" / "trainer.log").read_text()
+    assert "budget is spent" in log, log[-2000:]
+
+
+@pytest.mark.e2e
+def test_the_first_sigint_stops_a_training_run_gracefully_and_writes_the_summary(tmp_path):
+    from tests.test_trainer_e2e import config, trainer_records
+
+    run = tmp_path / "run"
+    proc = up(config(tmp_path, max_updates=100_000), run)
+    try:
+        wait_for(
+            lambda: len(trainer_records(run)) >= 2, timeout=240, interval=0.5, what="the trainer at work"
+        )
+    except BaseException:
+        proc.kill()
+        raise
+    proc.send_signal(signal.SIGINT)
+    out, summary = ended(proc, run)
+    assert proc.returncode == 130 and summary["outcome"] == "interrupted", out[-3000:]
+    assert "stopping gracefully" in out
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
+    assert summary["stored_steps"] == summary["acked_steps"] > 0
+    assert not run_processes(run)

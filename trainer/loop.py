@@ -128,18 +128,30 @@ class Trainer:
 
         per_rank = self.tc.batch_size // self.world.size
         started = time.monotonic()
-        warned = False
+        warned, released = 0.0, False
         while True:
             try:
+                # Short slices, so that a wait for data that will never come is noticed.
                 arrays = self.replay.sample(
-                    per_rank, tables=dict(self.tc.tables), timeout_s=self.tc.sample_timeout_s
+                    per_rank, tables=dict(self.tc.tables), timeout_s=min(self.tc.sample_timeout_s, 5.0)
                 )
                 break
             except (SampleTimeout, ReplayUnavailable) as exc:
-                if not warned:
-                    log.info("waiting for replay data: %s", exc)
-                    warned = True
+                if time.monotonic() - warned >= 30.0:
+                    log.info("waiting for replay data (%.0f s so far): %s", time.monotonic() - started, exc)
+                    warned = time.monotonic()
                 if self.stop_requested:
+                    raise
+                if self.collection_over():
+                    if not released:
+                        # No more steps will come: the ratio must not hold back what is there.
+                        self.release_replay(any_rank=True)
+                        released = True
+                        continue
+                    # Every rank sees the same tables, too small to sample, and stops here.
+                    self.request_stop(
+                        f"the run's env step budget is spent and the replay tables cannot serve a batch ({exc})"
+                    )
                     raise
         self.c.wait_s += time.monotonic() - started
         pin = self.world.device.type == "cuda"
@@ -322,10 +334,28 @@ class Trainer:
             }
         )
 
-    def release_replay(self) -> None:
+    def collection_over(self) -> bool:
+        """Any rank, while it waits for data: the gateway will record no more steps (its
+        budget is spent outside sync mode, where the trainer raises it, or it drains)."""
+        from gateway.supervisor import ControlClient
+
+        gateway = self.endpoints.get("gateway", {}).get("control")
+        if gateway is None:
+            return False
+        client = ControlClient(gateway)
+        try:
+            status = client.request("status", timeout_s=5.0)
+        except (Timeout, RemoteError):
+            return False
+        finally:
+            client.close()
+        budget_spent = bool(status.get("budget_reached")) and self.tc.mode != "sync"
+        return budget_spent or bool(status.get("draining"))
+
+    def release_replay(self, any_rank: bool = False) -> None:
         """Nothing samples any more: collection (the final evaluation) must not wait for the
         replay tables' update-to-data ratio."""
-        if not self.world.is_main:
+        if not (self.world.is_main or any_rank):
             return
         from gateway.supervisor import ControlClient
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,49 +23,81 @@ log = logging.getLogger(__name__)
 
 
 def final_evaluation(
-    cfg: ExperimentConfig, control: Any, run_dir: Path, timeout_s: float = 600.0
+    cfg: ExperimentConfig,
+    control: Any,
+    run_dir: Path,
+    timeout_s: float = 600.0,
+    should_stop: Callable[[], bool] = lambda: False,
 ) -> dict[str, Any]:
+    """The final round, outside the collection budget; every wait has a deadline and
+    ends early when ``should_stop()`` (a Ctrl-C at ``loopgate up``)."""
     episodes = cfg.trainer.final_eval_episodes
     if not episodes:
         return {}
+    skipped = {"eval_success_rate": None, "eval_return": None}
+    deadline = time.monotonic() + timeout_s
+
+    def wait(what: str, done: Callable[[], Any], limit_s: float) -> Any:
+        until = min(deadline, time.monotonic() + limit_s)
+        log.info("final evaluation: waiting for %s (up to %.0f s)", what, until - time.monotonic())
+        while not should_stop() and time.monotonic() < until:
+            value = done()
+            if value:
+                return value
+            time.sleep(0.2)
+        log.error(
+            "final evaluation skipped: %s while waiting for %s",
+            "interrupted" if should_stop() else f"no result within {limit_s:.0f} s",
+            what,
+        )
+        return None
+
     try:
         # The trainer's last publication must be what acts: wait until the servers have it.
-        status = control.request("status", timeout_s=5.0)
-        wanted = int(status.get("trainer_version", 0))
-        deadline = time.monotonic() + 60.0
-        while int(status.get("policy_version", 0)) < wanted and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wanted = int(control.request("status", timeout_s=5.0).get("trainer_version", 0))
+
+        def served() -> dict[str, Any] | None:
             status = control.request("status", timeout_s=5.0)
+            return status if int(status.get("policy_version", 0)) >= wanted else None
+
+        status = wait(f"the inference servers to serve version {wanted}", served, 60.0)
+        if status is None:
+            return skipped
         done_before = int((status.get("eval") or {}).get("rounds_done", 0))
-        started = control.request("evaluate", timeout_s=5.0, episodes=episodes)
-        while not started.get("started"):  # a periodic round is still running: let it end
-            time.sleep(0.2)
+
+        def start() -> dict[str, Any] | None:  # a periodic round still running ends first
             started = control.request("evaluate", timeout_s=5.0, episodes=episodes)
+            return started if started.get("started") else None
+
+        started = wait("the running evaluation round to end", start, timeout_s)
+        if started is None:
+            return skipped
         log.info("final evaluation: %d episodes with the deterministic policy", episodes)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def finished() -> dict[str, Any] | None:
             ev = control.request("status", timeout_s=5.0).get("eval") or {}
-            if (
-                int(ev.get("rounds_done", 0)) > done_before
-                and ev.get("last", {}).get("round") == started["round"]
-            ):
-                last = ev["last"]
-                log.info(
-                    "final evaluation: success rate %.2f, return %.2f",
-                    last["success_rate"],
-                    last["return_mean"],
-                )
-                return {
-                    "eval_success_rate": last["success_rate"],
-                    "eval_return": last["return_mean"],
-                    "eval_episodes": last["episodes"],
-                    "eval_policy_version": last["policy_version"],
-                }
-            time.sleep(0.2)
-        log.error("final evaluation did not finish within %.0f s", timeout_s)
+            last = ev.get("last") or {}
+            return (
+                last
+                if int(ev.get("rounds_done", 0)) > done_before and last.get("round") == started["round"]
+                else None
+            )
+
+        last = wait(f"{episodes} evaluation episodes", finished, timeout_s)
+        if last is None:
+            return skipped
+        log.info(
+            "final evaluation: success rate %.2f, return %.2f", last["success_rate"], last["return_mean"]
+        )
+        return {
+            "eval_success_rate": last["success_rate"],
+            "eval_return": last["return_mean"],
+            "eval_episodes": last["episodes"],
+            "eval_policy_version": last["policy_version"],
+        }
     except (Timeout, RemoteError) as exc:
         log.error("final evaluation failed: %s", exc)
-    return {"eval_success_rate": None, "eval_return": None}
+    return skipped
 
 
 def learning_curve(cfg: ExperimentConfig, run_dir: Path, summary: dict[str, Any]) -> None:
