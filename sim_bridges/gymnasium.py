@@ -62,7 +62,11 @@ def find_env_spec(env_id: str) -> gymnasium.envs.registration.EnvSpec:
         elif namespace in _NAMESPACE_MODULES:
             importlib.import_module(_NAMESPACE_MODULES[namespace])
         return gymnasium.spec(name)
-    except (gymnasium.error.Error, ImportError) as exc:
+    except ImportError as exc:
+        from gateway.registry import missing_package
+
+        raise ValueError(f"env.options.id {env_id!r} cannot be imported: {missing_package(exc)}") from exc
+    except gymnasium.error.Error as exc:
         raise ValueError(f"env.options.id: unknown Gymnasium id {env_id!r}: {exc}") from exc
 
 

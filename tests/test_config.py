@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import ConfigError, from_dict, load_config, parse_override
+from tests.conftest import loopgate
 
 pytestmark = pytest.mark.unit
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -76,3 +77,25 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("env: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_gymnasiums_own_mujoco_tasks_build_out_of_the_box():
+    """``gymnasium[mujoco]`` is a dependency: Reacher-v5 renders through imageio."""
+    from gateway.registry import experiment_spec
+
+    spec = experiment_spec("gymnasium", {"id": "Reacher-v5"})
+    assert spec.action.shape == (2,)
+
+
+def test_a_backend_that_cannot_be_imported_is_one_line_naming_the_env_and_the_package(tmp_path):
+    path = tmp_path / "missing.yaml"
+    path.write_text(
+        "env: {backend: gymnasium, options: {id: 'no_such_sim_pkg.envs:Arm-v0'}}\npolicy: {kind: random}\n"
+    )
+    out = loopgate("up", str(path), "--run-dir", str(tmp_path / "run"), timeout=120)
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "no_such_sim_pkg.envs:Arm-v0" in errors[0] and "'no_such_sim_pkg'" in errors[0]
+    assert "pip install no_such_sim_pkg" in errors[0]
+    assert not (tmp_path / "run" / "endpoints.json").exists()  # refused before anything started

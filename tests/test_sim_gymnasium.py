@@ -129,7 +129,10 @@ def test_registered_env_with_a_tuple_observation_is_refused_by_name() -> None:
     ("options", "message"),
     [
         ({"id": "CartPol-v1"}, r"env.options.id: unknown Gymnasium id 'CartPol-v1'.*CartPole"),
-        ({"id": "no_such_module:Foo-v0"}, r"env.options.id: unknown Gymnasium id"),
+        (
+            {"id": "no_such_module:Foo-v0"},
+            r"env.options.id 'no_such_module:Foo-v0' cannot be imported: missing Python package 'no_such_module'",
+        ),
         ({"id": "CartPole-v1", "vectorization": "threads"}, r"env.options.vectorization"),
         ({"id": "CartPole-v1", "max_episode_steps": 0}, r"env.options.max_episode_steps"),
         ({"kwargs": {}}, r"env.options.*id"),
