@@ -1,28 +1,48 @@
 """``loopgate export``: LeRobot v3 and MCAP files read back with their own readers.
 
-The run folder is made the way the replay service makes it (chunks in its durable log,
-``spec.json`` beside it) with a camera, joint and extra observations; each export is
-read back with pyarrow / PyAV or the ``mcap`` reader with ``mcap-ros2-support`` and
-compared to the stored steps.
+Two runs are exported. ``camera_run`` is a real one: ``loopgate up`` with the scripted
+PD controller on 2 workers x 4 MuJoCo reach envs with the 84x84 camera, so episodes of
+different envs overlap in time and the LeRobot features are those of the LeRobot 0.6.1
+reference dataset in ``../shared/fixtures/lerobot_v3_reference`` (12 episodes written
+by LeRobot's own writer), which the export's layout is compared against key by key.
+``synthetic_run`` is built the way the replay service stores chunks (its durable log,
+``spec.json`` beside it, a resent chunk, evaluation episodes), also 2 workers x 4 envs
+stepping in parallel, with pictures whose values the tests know.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import pty
+import select
 import subprocess
 import sys
+import time
+from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from gateway.trajectory import StepRows, assemble_episodes
-from trainer.replay.log import LOG_DIR, ReplayLog, read_log
+from gateway.trajectory import Episode, StepRows
+from tests.conftest import REPO, loopgate
+from trainer.replay.export import run_episodes
+from trainer.replay.log import LOG_DIR, ReplayLog
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[1]
+REFERENCE = REPO.parent / "shared" / "fixtures" / "lerobot_v3_reference"
 H, W = 32, 48
+WORKERS, ENVS, EPISODES, STEPS = 2, 4, 2, 12
+T0 = 1_800_000_000.0
+ENCODER_INFO_KEYS = {
+    f"video.{k}" for k in ("g", "crf", "preset", "fast_decode", "extra_options", "video_backend")
+}
+"""Video info keys LeRobot ignores when it checks two datasets' features are the same."""
+STATS = ["min", "max", "mean", "std", "count", "q01", "q10", "q50", "q90", "q99"]
 
 
 def frame(episode: int, step: int) -> np.ndarray:
@@ -32,85 +52,135 @@ def frame(episode: int, step: int) -> np.ndarray:
     return (img % 256).astype(np.uint8)
 
 
-def make_run(run_dir: Path, episodes: int = 3, steps: int = 12) -> None:
+def make_run(run_dir: Path) -> None:
+    """Two workers of four envs stepping together; chunks stored one episode after another."""
     replay_log = ReplayLog(run_dir / LOG_DIR, fsync="never")
     chunks = []
-    for e in range(episodes):
-        rows = StepRows(f"w0-{e}-0", "w0", e, "reach", eval=e == 2)
-        for s in range(steps):
-            last = s == steps - 1
-            rows.add(
-                {
-                    "joint_pos": np.array([s, e, 0.5], np.float32),
-                    "joint_vel": np.array([0.1 * s, 0, -1], np.float32),
-                    "target_rel": np.array([e, -s], np.float32),
-                    "image": frame(e, s),
-                },
-                np.array([s, -s, e], np.float32),
-                reward=-float(s),
-                terminated=last and e == 0,
-                truncated=last and e != 0,
-                success=last and e == 0,
-                policy_version=e,
-                t_capture=1_800_000_000.0 + e * 10 + s * 0.05,
-                t_action=1_800_000_000.0 + e * 10 + s * 0.05,
-                step=s,
-            )
-            if (s + 1) % 5 == 0 or last:
-                fo = {"joint_pos": np.zeros(3, np.float32), "joint_vel": np.zeros(3, np.float32)}
-                fo |= {"target_rel": np.zeros(2, np.float32), "image": frame(e, steps)}
-                chunks.append(
-                    rows.take(len(rows)).to_chunk(
-                        end=("terminated" if e == 0 else "truncated") if last else None,
-                        final_obs=fo if last else None,
+    for w in range(WORKERS):
+        for env in range(ENVS):
+            for e in range(EPISODES):
+                n = w * ENVS * EPISODES + env * EPISODES + e
+                rows = StepRows(f"w{w}-{env}-{e}", f"w{w}", env, "reach", eval=(env, e) == (3, 1))
+                for s in range(STEPS):
+                    last = s == STEPS - 1
+                    # envs of one worker share a capture time; workers are 13 ms apart
+                    t = T0 + w * 0.013 + (e * STEPS + s) * 0.05
+                    rows.add(
+                        {
+                            "joint_pos": np.array([s, n, 0.5], np.float32),
+                            "joint_vel": np.array([0.1 * s, 0, -1], np.float32),
+                            "target_rel": np.array([n, -s], np.float32),
+                            "image": frame(n, s),
+                        },
+                        np.array([s, -s, n], np.float32),
+                        reward=-float(s),
+                        terminated=last and env == 0,
+                        truncated=last and env != 0,
+                        success=last and env == 0,
+                        policy_version=e,
+                        t_capture=t,
+                        t_action=t + 0.002,
+                        step=s,
                     )
-                )
+                    if (s + 1) % 5 == 0 or last:
+                        fo = {"joint_pos": np.zeros(3, np.float32), "joint_vel": np.zeros(3, np.float32)}
+                        fo |= {"target_rel": np.zeros(2, np.float32), "image": frame(n, STEPS)}
+                        chunks.append(
+                            rows.take(len(rows)).to_chunk(
+                                end=("terminated" if env == 0 else "truncated") if last else None,
+                                final_obs=fo if last else None,
+                            )
+                        )
     replay_log.append_group(chunks)
     replay_log.append_group(chunks[:2])  # resent chunks are stored once
     replay_log.close()
     (run_dir / "spec.json").write_text(json.dumps({"name": "reach", "control_hz": 20.0}))
 
 
-def export(run_dir: Path, fmt: str, out: Path) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "export", str(run_dir), "--format", fmt, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("synthetic") / "run"
     make_run(run)
     return run
 
 
-def stored_episodes(run_dir: Path):
-    return assemble_episodes(list(read_log(run_dir / LOG_DIR)))
+@pytest.fixture(scope="module")
+def camera_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real collection run: 2 workers x 4 envs, camera on, 20-step episodes."""
+    run = tmp_path_factory.mktemp("camera") / "run"
+    out = loopgate(
+        "up", "configs/collect_pd.yaml", "--run-dir", str(run), "--max-env-steps", "480",
+        "--set", f"env.workers={WORKERS}", "--set", f"env.num_envs={ENVS}",
+        "--set", "env.options.camera=true", "--set", "env.options.max_episode_steps=20",
+        env={"MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
 
 
-def test_lerobot_export_reads_back_as_the_stored_steps(run_dir, tmp_path):
-    import av
+@pytest.fixture(params=["synthetic_run", "camera_run"])
+def any_run(request: pytest.FixtureRequest) -> Path:
+    return Path(request.getfixturevalue(request.param))
+
+
+def export(run_dir: Path, fmt: str, out: Path) -> tuple[dict[str, Any], str]:
+    """Run ``loopgate export``; its JSON summary and its stderr."""
+    done = loopgate("export", str(run_dir), "--format", fmt, str(out), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def env_of(ep: Episode) -> tuple[str, int]:
+    return (ep.meta["worker"], ep.meta["env"])
+
+
+def ns_of(ts: np.ndarray | float) -> np.ndarray:
+    """Unix times as integer nanoseconds, rounded from their exact binary values."""
+    return np.array([int(Decimal(float(t)).scaleb(9).to_integral_value()) for t in np.atleast_1d(ts)])
+
+
+def read_parquet(path: Path) -> Any:
     import pyarrow.parquet as pq
 
-    out = tmp_path / "lerobot"
-    result = export(run_dir, "lerobot", out)
-    episodes = stored_episodes(run_dir)
-    assert result["episodes"] == 3 and result["frames"] == 36
-    info = json.loads((out / "meta" / "info.json").read_text())
-    assert info["codebase_version"] == "v3.0" and info["fps"] == 20.0 and info["total_frames"] == 36
-    assert info["features"]["observation.images.image"]["dtype"] == "video"
-    names = info["features"]["observation.state"]["names"]
-    assert names[:3] == ["joint_pos_0", "joint_pos_1", "joint_pos_2"]
+    return pq.read_table(path)
 
-    data = pq.read_table(out / info["data_path"].format(chunk_index=0, file_index=0)).to_pydict()
-    meta = pq.read_table(out / "meta" / "episodes" / "chunk-000" / "file-000.parquet").to_pylist()
-    tasks = pq.read_table(out / "meta" / "tasks.parquet")
+
+# ------------------------------------------------------------------- the run itself
+
+
+def test_camera_run_has_parallel_envs_whose_episodes_overlap(camera_run):
+    episodes = run_episodes(camera_run)
+    envs = {env_of(ep) for ep in episodes}
+    assert len({w for w, _ in envs}) == WORKERS and len(envs) == WORKERS * ENVS
+    spans = sorted((ep.arrays["t_capture"][0], ep.arrays["t_capture"][-1], env_of(ep)) for ep in episodes)
+    overlapping = sum(1 for a, b in itertools.pairwise(spans) if b[0] < a[1] and a[2] != b[2])
+    assert overlapping >= WORKERS * ENVS
+    assert "image" in {k[4:] for k in episodes[0].arrays if k.startswith("obs/")}
+
+
+# ------------------------------------------------------------------------- LeRobot
+
+
+def test_lerobot_export_reads_back_as_the_stored_steps(any_run, tmp_path):
+    import av
+
+    out = tmp_path / "lerobot"
+    result, stderr = export(any_run, "lerobot", out)
+    episodes = run_episodes(any_run)
+    total = sum(ep.num_steps for ep in episodes)
+    assert result["episodes"] == len(episodes) and result["frames"] == total
+    assert "Svt[" not in stderr  # the AV1 encoder's banner stays out of the way
+    info = json.loads((out / "meta" / "info.json").read_text())
+    assert info["codebase_version"] == "v3.0" and info["fps"] == 20 and info["total_frames"] == total
+    assert info["features"]["observation.images.image"]["dtype"] == "video"
+    state_keys = sorted(k[4:] for k in episodes[0].arrays if k.startswith("obs/") and k != "obs/image")
+    widths = {k: episodes[0].arrays[f"obs/{k}"].shape[1] for k in state_keys}
+    names = [f"{k}_{i}" for k in state_keys for i in range(widths[k])]
+    assert info["features"]["observation.state"]["names"] == names
+
+    data = read_parquet(out / info["data_path"].format(chunk_index=0, file_index=0)).to_pydict()
+    meta = read_parquet(out / "meta" / "episodes" / "chunk-000" / "file-000.parquet").to_pylist()
+    tasks = read_parquet(out / "meta" / "tasks.parquet")
     assert tasks.to_pydict() == {"task_index": [0], "task": ["reach"]}
     # pandas (how LeRobot reads it) takes the task text as the index
     assert json.loads(tasks.schema.metadata[b"pandas"])["index_columns"] == ["task"]
@@ -118,86 +188,383 @@ def test_lerobot_export_reads_back_as_the_stored_steps(run_dir, tmp_path):
     for index, (ep, m) in enumerate(zip(episodes, meta)):
         rows = slice(m["dataset_from_index"], m["dataset_to_index"])
         assert data["episode_index"][rows] == [index] * ep.num_steps
+        assert data["frame_index"][rows] == list(range(ep.num_steps))
         state = np.asarray(data["observation.state"][rows], np.float32)
-        want = np.concatenate(
-            [ep.arrays[f"obs/{k}"] for k in ("joint_pos", "joint_vel", "target_rel")], axis=1
-        )
+        want = np.concatenate([ep.arrays[f"obs/{k}"].reshape(ep.num_steps, -1) for k in state_keys], axis=1)
         np.testing.assert_array_equal(state, want)
         np.testing.assert_array_equal(np.asarray(data["action"][rows], np.float32), ep.arrays["action"])
         np.testing.assert_array_equal(np.asarray(data["next.reward"][rows], np.float32), ep.arrays["reward"])
-        assert data["next.done"][rows][-1] is True and m["loopgate/eval"] == (index == 2)
-    assert data["index"] == list(range(36))
+        assert data["next.done"][rows][-1] is (ep.end in ("terminated", "truncated"))
+        assert m["loopgate/episode_id"] == ep.episode_id and m["loopgate/eval"] == bool(ep.meta["eval"])
+        assert (m["loopgate/worker"], m["loopgate/env"]) == env_of(ep) and m["loopgate/source"] == "online"
+    assert data["index"] == list(range(total))
 
     video = out / info["video_path"].format(video_key="observation.images.image", chunk_index=0, file_index=0)
     with av.open(str(video)) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    assert len(frames) == 36 and frames[0].shape == (H, W, 3)
+    assert len(frames) == total and frames[0].shape == episodes[0].arrays["obs/image"].shape[1:]
     for ep, m in zip(episodes, meta):
         start = round(m["videos/observation.images.image/from_timestamp"] * 20)
+        assert round(m["videos/observation.images.image/to_timestamp"] * 20) == start + ep.num_steps
         for s in (0, ep.num_steps - 1):
             err = np.abs(frames[start + s].astype(int) - ep.arrays["obs/image"][s].astype(int)).mean()
             assert err < 8, f"frame {start + s} differs by {err:.1f} on average"
 
 
-def test_mcap_export_reads_back_as_ros2_messages(run_dir, tmp_path):
+@pytest.fixture(scope="module")
+def camera_export(camera_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("camera_export") / "lerobot"
+    export(camera_run, "lerobot", out)
+    return out
+
+
+def test_lerobot_info_has_every_key_lerobot_writes_with_the_same_features(camera_export):
+    ref = json.loads((REFERENCE / "meta" / "info.json").read_text())
+    got = json.loads((camera_export / "meta" / "info.json").read_text())
+    assert list(got) == list(ref)
+    for key in set(ref) - {"features", "total_episodes", "total_frames", "splits"}:
+        assert got[key] == ref[key], key
+    assert got["splits"] == {"train": f"0:{got['total_episodes']}"}
+    # LeRobot merges two datasets only if their features are equal but for encoder settings
+    assert list(got["features"]) == list(ref["features"])
+    for key, feature in ref["features"].items():
+        mine = dict(got["features"][key])
+        if feature["dtype"] == "video":
+            assert list(mine["info"]) == list(feature["info"])
+            assert "video.is_depth_map" not in mine["info"] and mine["info"]["is_depth_map"] is False
+            mine["info"] = {k: v for k, v in mine["info"].items() if k not in ENCODER_INFO_KEYS}
+            feature = feature | {
+                "info": {k: v for k, v in feature["info"].items() if k not in ENCODER_INFO_KEYS}
+            }
+        assert mine == feature, key
+
+
+def test_lerobot_stats_have_lerobots_names_and_shapes(camera_export):
+    ref = json.loads((REFERENCE / "meta" / "stats.json").read_text())
+    got = json.loads((camera_export / "meta" / "stats.json").read_text())
+    assert set(got) == set(ref)
+    for feature, stats in ref.items():
+        assert list(got[feature]) == list(stats) == STATS, feature
+        for name, value in stats.items():
+            assert np.shape(got[feature][name]) == np.shape(value), (feature, name)
+    assert np.shape(got["observation.images.image"]["q01"]) == (3, 1, 1)
+
+
+def test_lerobot_files_have_the_columns_types_and_row_groups_lerobot_writes(camera_export):
+    import pyarrow.parquet as pq
+
+    ref = read_parquet(REFERENCE / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
+    got = read_parquet(camera_export / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
+    assert [n for n in got.schema.names if not n.startswith("loopgate/")] == ref.schema.names
+    for name in ref.schema.names:
+        assert got.schema.field(name).type == ref.schema.field(name).type, name
+    stats_columns = [n for n in ref.schema.names if n.startswith("stats/")]
+    assert len(stats_columns) == len(STATS) * 12
+    ref_row, rows = ref.slice(0, 1).to_pylist()[0], got.to_pylist()
+    for row in rows:
+        for name in stats_columns:
+            assert np.shape(row[name]) == np.shape(ref_row[name]), name
+    assert all(row["stats/observation.state/count"] == [row["length"]] for row in rows)
+
+    for path in ("data/chunk-000/file-000.parquet", "meta/tasks.parquet"):
+        ref_file, got_file = pq.ParquetFile(REFERENCE / path), pq.ParquetFile(camera_export / path)
+        assert got_file.schema_arrow.remove_metadata() == ref_file.schema_arrow.remove_metadata(), path
+    data_ref = pq.ParquetFile(REFERENCE / "data/chunk-000/file-000.parquet")
+    data_got = pq.ParquetFile(camera_export / "data/chunk-000/file-000.parquet")
+    assert data_got.num_row_groups == len(rows)  # one per episode, as LeRobot writes them
+    hf_ref = json.loads(data_ref.schema_arrow.metadata[b"huggingface"])["info"]
+    assert json.loads(data_got.schema_arrow.metadata[b"huggingface"])["info"] == hf_ref
+
+
+def _aggregate(parts: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """LeRobot's rule for dataset stats from episode stats, written out independently."""
+    n = np.array([p["count"][0] for p in parts], np.float64)
+    total = n.sum()
+
+    def weighted(key: str) -> np.ndarray:
+        values = np.array([p[key] for p in parts], np.float64)
+        return np.tensordot(n, values, axes=1) / total
+
+    mean = weighted("mean")
+    second = np.tensordot(
+        n, np.array([np.square(p["std"]) + np.square(p["mean"]) for p in parts], np.float64), axes=1
+    )
+    out = {
+        "min": np.min([p["min"] for p in parts], axis=0),
+        "max": np.max([p["max"] for p in parts], axis=0),
+        "mean": mean,
+        "std": np.sqrt(second / total - mean**2),
+        "count": np.array([total]),
+    }
+    return out | {q: weighted(q) for q in STATS[5:]}
+
+
+def test_lerobot_episode_stats_aggregate_to_the_dataset_stats(camera_run, camera_export):
+    info = json.loads((camera_export / "meta" / "info.json").read_text())
+    dataset = json.loads((camera_export / "meta" / "stats.json").read_text())
+    rows = read_parquet(camera_export / "meta" / "episodes" / "chunk-000" / "file-000.parquet").to_pylist()
+    data = read_parquet(camera_export / "data" / "chunk-000" / "file-000.parquet").to_pydict()
+    episodes = run_episodes(camera_run)
+    for feature, ft in info["features"].items():
+        parts = [{s: row[f"stats/{feature}/{s}"] for s in STATS} for row in rows]
+        for stat, value in _aggregate(parts).items():
+            np.testing.assert_allclose(dataset[feature][stat], value, rtol=1e-9, atol=1e-12, err_msg=feature)
+        for part in parts:
+            q = np.array([part[s] for s in STATS[5:]])
+            assert np.all(np.diff(q, axis=0) >= 0), f"{feature} quantiles out of order"
+            assert np.all(q >= np.array(part["min"]) - 1e-9) and np.all(q <= np.array(part["max"]) + 1e-9)
+        if ft["dtype"] == "video":
+            for part, ep in zip(parts, episodes):
+                pixels = ep.arrays["obs/image"].reshape(-1, 3) / 255.0
+                np.testing.assert_allclose(np.ravel(part["mean"]), pixels.mean(axis=0), rtol=1e-9)
+                np.testing.assert_allclose(np.ravel(part["min"]), pixels.min(axis=0))
+                assert part["count"] == [ep.num_steps]
+            continue
+        # the dataset's stats are those of every frame in the dataset
+        frames = np.asarray(data[feature], np.float64).reshape(info["total_frames"], -1)
+        np.testing.assert_allclose(dataset[feature]["mean"], frames.mean(axis=0), rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(dataset[feature]["std"], frames.std(axis=0), rtol=1e-6, atol=1e-9)
+        np.testing.assert_array_equal(dataset[feature]["min"], frames.min(axis=0))
+        np.testing.assert_array_equal(dataset[feature]["max"], frames.max(axis=0))
+        assert dataset[feature]["count"] == [info["total_frames"]]
+
+
+def test_episode_stats_match_lerobots_own_on_the_reference_frames():
+    from trainer.replay.export_stats import STAT_NAMES, feature_stats
+
+    data = read_parquet(REFERENCE / "data" / "chunk-000" / "file-000.parquet").to_pydict()
+    rows = read_parquet(REFERENCE / "meta" / "episodes" / "chunk-000" / "file-000.parquet").to_pylist()
+    features = [k for k, ft in json.loads((REFERENCE / "meta" / "info.json").read_text())["features"].items()]
+    features = [k for k in features if k in data]
+    assert len(features) == 11 and len(rows) == 12
+    for row in rows:
+        frames = slice(row["dataset_from_index"], row["dataset_to_index"])
+        for feature in features:
+            mine = feature_stats(np.asarray(data[feature][frames]))
+            assert list(mine) == STATS
+            ref = {k: np.asarray(row[f"stats/{feature}/{k}"], np.float64) for k in STAT_NAMES}
+            # LeRobot works in float32 for float32 features; a histogram bin is span / 5000
+            span = np.maximum(ref["max"] - ref["min"], 1e-3)
+            for name in ("min", "max", "q01", "q10", "q50", "q90", "q99"):
+                assert mine[name].shape == ref[name].shape, (feature, name)
+                assert np.all(np.abs(mine[name] - ref[name]) <= 1e-5 * span), (feature, name)
+            np.testing.assert_allclose(mine["mean"], ref["mean"], rtol=1e-5, atol=1e-6, err_msg=feature)
+            varying = ref["max"] > ref["min"]  # float32 E[x^2] - E[x]^2 is noise where x is constant
+            np.testing.assert_allclose(
+                mine["std"][varying], ref["std"][varying], rtol=1e-3, atol=1e-6, err_msg=feature
+            )
+            assert mine["count"].tolist() == ref["count"].tolist() == [row["length"]]
+
+
+def test_image_stats_sample_long_episodes_and_large_frames_as_lerobot_does():
+    from trainer.replay.export_stats import image_stats, sample_frame_indices
+
+    # LeRobot's own table: up to ~500 frames 100 samples, 1000 -> 177, 2000 -> 299, 5000 -> 594
+    assert sample_frame_indices(60).tolist() == list(range(60))
+    for n, want in ((400, 100), (1000, 177), (2000, 299), (5000, 594)):
+        picked = sample_frame_indices(n)
+        assert len(picked) == want and picked[0] == 0 and picked[-1] == n - 1
+    frames = np.zeros((1000, 4, 4, 3), np.uint8)
+    frames[sample_frame_indices(1000)] = 255
+    stats = image_stats(frames)
+    assert stats["count"].tolist() == [177] and stats["min"].shape == (3, 1, 1)
+    np.testing.assert_allclose(stats["min"], 1.0)  # only the sampled frames count
+    large = np.zeros((2, 480, 640, 3), np.uint8)
+    large[:, ::4, ::4] = 255  # 640 px wide: LeRobot looks at every 4th pixel
+    stats = image_stats(large)
+    np.testing.assert_allclose(stats["min"], 1.0)
+    np.testing.assert_allclose(stats["q01"], 1.0)
+
+
+def test_aggregation_reproduces_lerobots_dataset_stats_from_its_episode_stats():
+    from trainer.replay.export_stats import aggregate_stats
+
+    rows = read_parquet(REFERENCE / "meta" / "episodes" / "chunk-000" / "file-000.parquet").to_pylist()
+    ref = json.loads((REFERENCE / "meta" / "stats.json").read_text())
+    parts = [{f: {s: np.asarray(row[f"stats/{f}/{s}"]) for s in STATS} for f in ref} for row in rows]
+    mine = aggregate_stats(parts)
+    assert set(mine) == set(ref)
+    for feature, stats in ref.items():
+        for name, value in stats.items():
+            np.testing.assert_allclose(mine[feature][name], value, rtol=1e-7, err_msg=f"{feature} {name}")
+
+
+def test_av1_encoder_is_quiet_until_it_fails(tmp_path, capfd, caplog, monkeypatch):
+    import av
+
+    from trainer.replay.export_video import VideoEncoder, encode
+
+    monkeypatch.delenv("SVT_LOG", raising=False)
+    encoder = VideoEncoder(codec="libsvtav1", crf=30, preset=12)
+    encode(np.zeros((4, 8, 8, 3), np.uint8), tmp_path / "ok.mp4", fps=20, encoder=encoder)
+    assert "Svt[" not in capfd.readouterr().err
+    with pytest.raises(av.FFmpegError):
+        encode(np.zeros((4, 2, 2, 3), np.uint8), tmp_path / "bad.mp4", fps=20, encoder=encoder)
+    assert "Svt[error]" in capfd.readouterr().err  # too small for SVT-AV1: it says so
+    assert "libsvtav1" in caplog.text and "failed" in caplog.text
+
+
+# ---------------------------------------------------------------------------- MCAP
+
+
+def read_mcap(path: str) -> tuple[list[tuple[str, str, int, int, Any]], dict[str, dict[str, str]]]:
+    """Every message in file order: (topic, schema, log_time, publish_time, decoded); metadata."""
     from mcap.reader import make_reader
     from mcap_ros2.decoder import DecoderFactory
 
-    result = export(run_dir, "mcap", tmp_path / "out.mcap")
-    episodes = stored_episodes(run_dir)
-    by_topic: dict[str, list] = {}
-    with open(result["path"], "rb") as f:
+    with open(path, "rb") as f:
         reader = make_reader(f, decoder_factories=[DecoderFactory()])
-        for schema, channel, message, decoded in reader.iter_decoded_messages():
-            by_topic.setdefault(channel.topic, []).append((schema.name, message.log_time, decoded))
-    total = sum(ep.num_steps for ep in episodes)
-    assert {t: len(v) for t, v in by_topic.items()} == {
-        "/episode": 3,
-        "/joint_states": total,
-        "/camera/image/image_raw": total,
-        "/observation/target_rel": total,
-        "/action": total,
-        "/reward": total,
-    }
-    assert by_topic["/joint_states"][0][0] == "sensor_msgs/msg/JointState"
-    assert by_topic["/camera/image/image_raw"][0][0] == "sensor_msgs/msg/Image"
-    joints = [d for _, _, d in by_topic["/joint_states"]]
-    images = [d for _, _, d in by_topic["/camera/image/image_raw"]]
-    actions = [d for _, _, d in by_topic["/action"]]
-    rewards = [d for _, _, d in by_topic["/reward"]]
-    i = 0
+        messages = [
+            (channel.topic, schema.name, message.log_time, message.publish_time, decoded)
+            for schema, channel, message, decoded in reader.iter_decoded_messages(log_time_order=False)
+        ]
+        metadata = {m.name: dict(m.metadata) for m in reader.iter_metadata()}
+    return messages, metadata
+
+
+def test_mcap_export_reads_back_as_ros2_messages(synthetic_run, tmp_path):
+    result, _ = export(synthetic_run, "mcap", tmp_path / "out.mcap")
+    episodes = run_episodes(synthetic_run)
+    messages, metadata = read_mcap(result["path"])
+    assert len(messages) == result["messages"]
+    envs = {ns: json.loads(v) for ns, v in metadata["loopgate.envs"].items()}
+    ns = {(v["worker"], v["env"]): k for k, v in envs.items()}
+    assert sorted(ns) == sorted({env_of(ep) for ep in episodes})
+    by_topic: dict[str, list] = {}
+    for topic, schema, _, _, decoded in messages:
+        by_topic.setdefault(topic, []).append((schema, decoded))
+    expected = {}
+    for env, space in ns.items():
+        steps = sum(ep.num_steps for ep in episodes if env_of(ep) == env)
+        expected[f"{space}/episode"] = EPISODES
+        for topic in ("joint_states", "camera/image/image_raw", "observation/target_rel", "action", "reward"):
+            expected[f"{space}/{topic}"] = steps
+    assert {t: len(v) for t, v in by_topic.items()} == expected
     for ep in episodes:
+        space = ns[env_of(ep)]
+        assert by_topic[f"{space}/joint_states"][0][0] == "sensor_msgs/msg/JointState"
+        assert by_topic[f"{space}/camera/image/image_raw"][0][0] == "sensor_msgs/msg/Image"
+        joint_states = [d for _, d in by_topic[f"{space}/joint_states"] if d.header.frame_id == ep.episode_id]
+        images = [
+            d for _, d in by_topic[f"{space}/camera/image/image_raw"] if d.header.frame_id == ep.episode_id
+        ]
+        # an env's episodes follow one another, so its messages without a header do too
+        base = sum(e.num_steps for e in episodes[: episodes.index(ep)] if env_of(e) == env_of(ep))
+        actions = [d for _, d in by_topic[f"{space}/action"]][base : base + ep.num_steps]
+        rewards = [d for _, d in by_topic[f"{space}/reward"]][base : base + ep.num_steps]
+        assert len(joint_states) == len(images) == ep.num_steps
         for s in range(ep.num_steps):
-            assert joints[i].header.frame_id == ep.episode_id
-            np.testing.assert_allclose(joints[i].position, ep.arrays["obs/joint_pos"][s])
-            np.testing.assert_allclose(joints[i].velocity, ep.arrays["obs/joint_vel"][s], rtol=1e-6)
-            img = np.frombuffer(bytes(images[i].data), np.uint8).reshape(images[i].height, images[i].width, 3)
+            joints, image = joint_states[s], images[s]
+            np.testing.assert_allclose(joints.position, ep.arrays["obs/joint_pos"][s])
+            np.testing.assert_allclose(joints.velocity, ep.arrays["obs/joint_vel"][s], rtol=1e-6)
+            img = np.frombuffer(bytes(image.data), np.uint8).reshape(image.height, image.width, 3)
             np.testing.assert_array_equal(img, ep.arrays["obs/image"][s])
-            assert images[i].encoding == "rgb8"
-            np.testing.assert_array_equal(np.asarray(actions[i].data, np.float32), ep.arrays["action"][s])
-            assert rewards[i].data == pytest.approx(float(ep.arrays["reward"][s]))
-            i += 1
-    first = json.loads(by_topic["/episode"][2][2].data)
-    assert first["eval"] is True and first["end"] == "truncated"
-    times = [t for _, t, _ in by_topic["/reward"]]
-    assert times == sorted(times)
+            assert image.encoding == "rgb8"
+            np.testing.assert_array_equal(np.asarray(actions[s].data, np.float32), ep.arrays["action"][s])
+            assert rewards[s].data == pytest.approx(float(ep.arrays["reward"][s]))
+    infos = [json.loads(d.data) for t, v in by_topic.items() if t.endswith("/episode") for _, d in v]
+    assert {i["episode_id"] for i in infos if i["eval"]} == {f"w{w}-3-1" for w in range(WORKERS)}
+    assert {i["episode_id"]: i["end"] for i in infos}["w1-0-0"] == "terminated"
 
 
-def test_export_of_a_folder_without_data_fails_clearly(tmp_path):
-    done = subprocess.run(
+@pytest.mark.parametrize("run_name", ["synthetic_run", "camera_run"])
+def test_mcap_stamps_every_message_with_its_steps_capture_time_one_env_per_namespace(
+    run_name, request, tmp_path
+):
+    run = request.getfixturevalue(run_name)
+    result, _ = export(run, "mcap", tmp_path / "out.mcap")
+    episodes = run_episodes(run)
+    by_id = {ep.episode_id: ep for ep in episodes}
+    messages, metadata = read_mcap(result["path"])
+    assert len(messages) == result["messages"] > 0
+    envs = {ns: tuple(json.loads(v).values()) for ns, v in metadata["loopgate.envs"].items()}
+    assert len(envs) == len({env_of(ep) for ep in episodes}) == WORKERS * ENVS
+    times = [m[2] for m in messages]
+    assert times == sorted(times)  # written in time order, parallel envs interleaved
+    per_topic: dict[str, list[tuple[str, int]]] = {}
+    for topic, _, log_time, publish_time, decoded in messages:
+        space = "/" + topic.split("/")[1]
+        assert space in envs, topic
+        assert publish_time == log_time
+        if hasattr(decoded, "header"):
+            assert decoded.header.stamp.sec * 10**9 + decoded.header.stamp.nanosec == log_time
+            episode_id = decoded.header.frame_id
+            assert env_of(by_id[episode_id]) == envs[space]  # no other env on this namespace
+        per_topic.setdefault(topic, []).append(log_time)
+    for space, env in envs.items():
+        mine = sorted((ep for ep in episodes if env_of(ep) == env), key=lambda ep: ep.arrays["t_capture"][0])
+        captured = list(np.concatenate([ns_of(ep.arrays["t_capture"]) for ep in mine]))
+        starts = [ns_of(ep.arrays["t_capture"][0])[0] for ep in mine]
+        assert per_topic[f"{space}/episode"] == starts
+        for topic in ("joint_states", "camera/image/image_raw", "action", "reward"):
+            assert per_topic[f"{space}/{topic}"] == captured, f"{space}/{topic}"
+
+
+# ------------------------------------------------------------------------- the CLI
+
+
+def test_export_logs_progress_without_a_terminal_and_ends_with_a_summary(synthetic_run, tmp_path):
+    _, stderr = export(synthetic_run, "lerobot", tmp_path / "lerobot")
+    episodes = len(run_episodes(synthetic_run))
+    frames = episodes * STEPS
+    assert "\x1b[" not in stderr and "\r" not in stderr
+    assert f"episodes {episodes}/{episodes}" in stderr
+    assert f"video observation.images.image {frames}/{frames}" in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert f"exported {episodes} episodes ({frames} frames" in last and str(tmp_path / "lerobot") in last
+
+
+def test_export_draws_progress_bars_on_a_terminal(synthetic_run, tmp_path):
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "gateway.cli",
+            "gateway",
             "export",
-            str(tmp_path),
+            str(synthetic_run),
             "--format",
             "mcap",
-            str(tmp_path / "o"),
+            str(tmp_path / "o.mcap"),
         ],
-        capture_output=True,
-        text=True,
-        timeout=60,
         cwd=REPO,
+        stdin=follower,
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "120"},
     )
+    os.close(follower)
+    screen = b""
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # the follower side closed: the export is over
+                break
+            if not data:
+                break
+            screen += data
+        assert proc.wait(timeout=30) == 0, screen.decode(errors="replace")[-2000:]
+        stdout = proc.stdout.read() if proc.stdout else b""
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+    text = screen.decode(errors="replace")
+    steps = len(run_episodes(synthetic_run)) * STEPS
+    assert "━" in text and f"{steps}/{steps}" in text  # rich's bar, completed
+    assert "\x1b[" in text  # drawn in place
+    assert "exported" in text.strip().splitlines()[-1]
+    assert json.loads(stdout)["messages"] > 0
+
+
+def test_export_of_a_folder_without_data_fails_clearly(tmp_path):
+    done = loopgate("export", str(tmp_path), "--format", "mcap", str(tmp_path / "o"), timeout=60)
     assert done.returncode == 2 and "not a run folder" in done.stderr

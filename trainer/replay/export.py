@@ -11,6 +11,11 @@ and flagged (``--no-eval`` leaves them out)::
 - ``lerobot``: a LeRobotDataset v3.0 folder (:mod:`trainer.replay.export_lerobot`);
 - ``mcap``: ROS 2 messages for Foxglove and the ``mcap`` readers
   (:mod:`trainer.replay.export_mcap`).
+
+On a terminal the export draws a progress bar per phase (episodes, each camera's
+video, MCAP steps); otherwise it logs each phase's progress every few seconds and when
+the phase is done. It ends with a one-line summary on stderr and the summary as JSON on
+stdout. Every column and topic is listed in ``docs/export.md``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import argparse
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +33,10 @@ from gateway.trajectory import Episode, assemble_episodes
 from trainer.replay.log import run_chunks
 
 log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``, called by the writers as work gets done."""
+LOG_EVERY_S = 5.0
 
 
 def run_episodes(run_dir: str | Path, *, demos: bool = False, evals: bool = True) -> list[Episode]:
@@ -35,26 +46,87 @@ def run_episodes(run_dir: str | Path, *, demos: bool = False, evals: bool = True
         source = chunk.meta.get("source", "online")
         if (source == "demos" and not demos) or (chunk.meta.get("eval") and not evals):
             continue
+        chunk.meta["source"] = source
         chunks.append(chunk)
     return assemble_episodes(chunks)
 
 
 def export(
-    run_dir: str | Path, fmt: str, out: str | Path, *, demos: bool = False, evals: bool = True
+    run_dir: str | Path,
+    fmt: str,
+    out: str | Path,
+    *,
+    demos: bool = False,
+    evals: bool = True,
+    progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
     run = Path(run_dir)
+    if fmt not in ("lerobot", "mcap"):
+        raise ValueError(f"unknown export format {fmt!r} (lerobot, mcap)")
     episodes = run_episodes(run, demos=demos, evals=evals)
     spec_path = run / "spec.json"
     spec = json.loads(spec_path.read_text()) if spec_path.exists() else None
     if fmt == "lerobot":
         from trainer.replay.export_lerobot import write_lerobot
 
-        return write_lerobot(episodes, Path(out), spec)
-    if fmt == "mcap":
-        from trainer.replay.export_mcap import write_mcap
+        return write_lerobot(episodes, Path(out), spec, progress=progress)
+    from trainer.replay.export_mcap import write_mcap
 
-        return write_mcap(episodes, Path(out))
-    raise ValueError(f"unknown export format {fmt!r} (lerobot, mcap)")
+    return write_mcap(episodes, Path(out), progress=progress)
+
+
+class ExportProgress:
+    """Progress of an export: rich bars on a terminal, a log line now and then elsewhere."""
+
+    def __init__(self, interactive: bool | None = None) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.interactive = (
+            (self.console.is_terminal and sys.stderr.isatty()) if interactive is None else interactive
+        )
+        self._bars: Any = None
+        self._tasks: dict[str, Any] = {}
+        self._logged: dict[str, float] = {}
+
+    def __enter__(self) -> ExportProgress:
+        if self.interactive:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bars = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=self.console,
+            )
+            self._bars.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bars is not None:
+            self._bars.__exit__(*exc)
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if self._bars is not None:
+            if phase not in self._tasks:
+                self._tasks[phase] = self._bars.add_task(phase, total=total)
+            self._bars.update(self._tasks[phase], completed=done, total=total)
+            return
+        now = time.monotonic()
+        if done >= total or now - self._logged.get(phase, now - LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged[phase] = now
+            log.info("%s %d/%d", phase, done, total)
+
+
+def summary_line(fmt: str, result: dict[str, Any], seconds: float) -> str:
+    """E.g. ``exported 24 episodes (408 frames, video of image in libsvtav1) to OUT in 2.1 s``."""
+    if fmt == "lerobot":
+        cams = ", ".join(result["cameras"])
+        what = f"{result['frames']} frames" + (f", video of {cams} in {result['codec']}" if cams else "")
+    else:
+        what = f"{result['messages']} messages on {result['topics']} topics, {result['envs']} envs"
+    return f"exported {result['episodes']} episodes ({what}) to {result['path']} in {seconds:.1f} s"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,11 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    start = time.monotonic()
     try:
-        result = export(args.run, args.format, args.out, demos=args.demos, evals=not args.no_eval)
+        with ExportProgress() as progress:
+            result = export(
+                args.run, args.format, args.out, demos=args.demos, evals=not args.no_eval, progress=progress
+            )
     except (FileNotFoundError, ValueError, ImportError) as exc:
         log.error("%s", exc)
         return 2
+    log.info("%s", summary_line(args.format, result, time.monotonic() - start))
     print(json.dumps(result))
     return 0
 
