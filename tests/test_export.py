@@ -123,9 +123,9 @@ def any_run(request: pytest.FixtureRequest) -> Path:
     return Path(request.getfixturevalue(request.param))
 
 
-def export(run_dir: Path, fmt: str, out: Path) -> tuple[dict[str, Any], str]:
+def export(run_dir: Path, fmt: str, out: Path, *flags: str) -> tuple[dict[str, Any], str]:
     """Run ``loopgate export``; its JSON summary and its stderr."""
-    done = loopgate("export", str(run_dir), "--format", fmt, str(out), timeout=120)
+    done = loopgate("export", str(run_dir), "--format", fmt, str(out), *flags, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
@@ -563,6 +563,38 @@ def test_export_draws_progress_bars_on_a_terminal(synthetic_run, tmp_path):
     assert "\x1b[" in text  # drawn in place
     assert "exported" in text.strip().splitlines()[-1]
     assert json.loads(stdout)["messages"] > 0
+
+
+def test_export_flags_demonstrations_and_evaluations_or_leaves_them_out(tmp_path):
+    from trainer.replay.ingest import import_into
+
+    make_run(tmp_path / "earlier")
+    make_run(tmp_path / "run")
+    replay_log = ReplayLog(tmp_path / "run" / LOG_DIR, fsync="never")
+    try:
+        import_into(replay_log, tmp_path / "earlier", lambda chunk: None)
+    finally:
+        replay_log.close()
+    online = WORKERS * ENVS * EPISODES
+    evals = WORKERS  # env 3's second episode on each worker
+
+    def episode_rows(out: Path) -> list[dict[str, Any]]:
+        return read_parquet(out / "meta" / "episodes" / "chunk-000" / "file-000.parquet").to_pylist()
+
+    result, _ = export(tmp_path / "run", "lerobot", tmp_path / "plain")
+    rows = episode_rows(tmp_path / "plain")
+    assert result["episodes"] == online and {r["loopgate/source"] for r in rows} == {"online"}
+    assert sum(r["loopgate/eval"] for r in rows) == evals
+    # evaluation episodes are never imported as demonstrations
+    result, _ = export(tmp_path / "run", "lerobot", tmp_path / "demos", "--demos", "--no-eval")
+    rows = episode_rows(tmp_path / "demos")
+    assert result["episodes"] == 2 * (online - evals) and not any(r["loopgate/eval"] for r in rows)
+    demos = [r for r in rows if r["loopgate/source"] == "demos"]
+    assert len(demos) == online - evals and all(r["loopgate/episode_id"].startswith("demo:") for r in demos)
+    result, _ = export(tmp_path / "run", "mcap", tmp_path / "demos.mcap", "--demos")
+    messages, _ = read_mcap(result["path"])
+    infos = [json.loads(m[4].data) for m in messages if m[0].endswith("/episode")]
+    assert sorted(i["source"] for i in infos) == ["demos"] * (online - evals) + ["online"] * online
 
 
 def test_export_of_a_folder_without_data_fails_clearly(tmp_path):
