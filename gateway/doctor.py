@@ -110,13 +110,27 @@ def check_ros2() -> list[Check]:
         ok = out.returncode == 0
     except (subprocess.TimeoutExpired, OSError):
         ok = False
+    launch = "import launch, launch_ros; print(launch.__file__)"
+    try:
+        out = subprocess.run([sys.executable, "-c", launch], capture_output=True, text=True, timeout=60)
+        has_launch = out.returncode == 0
+    except (subprocess.TimeoutExpired, OSError):
+        has_launch = False
     return [
         Check(
             "ros2 (rclpy)",
             ok,
             "importable" if ok else "missing",
             "pip install -e '.[ros2]' (ROS 2 Kilted wheels) or source your ROS 2 install",
-        )
+        ),
+        Check(
+            "ros2 launch",
+            has_launch,
+            "launch and launch_ros importable (ros2 launch launch/loopgate.launch.py)"
+            if has_launch
+            else "missing: `ros2 launch` of launch/*.launch.py needs it; `loopgate up` does the same without it",
+            "source a ROS 2 install (launch and launch_ros have no PyPI wheels)",
+        ),
     ]
 
 

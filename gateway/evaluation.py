@@ -30,6 +30,8 @@ class EvalRound:
     round_id: int
     requested: int
     started_at_steps: int
+    success_signal: bool = True
+    """Whether the env reports success; without it the success rate is unknown (None), not 0."""
     assigned: int = 0
     results: list[tuple[bool, float, int]] = field(default_factory=list)
     """(success at the last step, return, lowest policy version that acted)."""
@@ -44,7 +46,9 @@ class EvalRound:
             "round": self.round_id,
             "episodes": n,
             "requested": self.requested,
-            "success_rate": round(sum(r[0] for r in self.results) / n, 4) if n else 0.0,
+            "success_rate": round(sum(r[0] for r in self.results) / n, 4)
+            if n and self.success_signal
+            else (0.0 if self.success_signal else None),
             "return_mean": round(float(np.mean([r[1] for r in self.results])), 4) if n else 0.0,
             "policy_version": min((r[2] for r in self.results), default=0),
         }
@@ -55,6 +59,8 @@ class Evaluator:
 
     def __init__(self) -> None:
         self.round: EvalRound | None = None
+        self.success_signal = True
+        """Whether the experiment's env reports success (``spec.metadata["success_signal"]``)."""
         self.rounds = 0
         self.history: list[dict[str, Any]] = []
         self._flags: dict[str, np.ndarray] = {}
@@ -64,7 +70,7 @@ class Evaluator:
         if self.round is not None and not self.round.done:
             return {"started": False, "running": self.round.summary()}
         self.rounds += 1
-        self.round = EvalRound(self.rounds, episodes, env_steps)
+        self.round = EvalRound(self.rounds, episodes, env_steps, self.success_signal)
         return {"started": True, "round": self.rounds, "episodes": episodes}
 
     @property

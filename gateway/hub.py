@@ -140,6 +140,8 @@ class Gateway:
         self._orphans_deadline = time.monotonic() + config.worker_timeout_s
         self.env_steps = recorder.counters.acked_steps
         self.evaluator = Evaluator()
+        if spec is not None:
+            self.evaluator.success_signal = bool(spec.metadata.get("success_signal", True))
         self.lag = LagTracker()
 
     # ----------------------------------------------------------------- helpers
@@ -244,6 +246,7 @@ class Gateway:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"HELLO carries an invalid spec: {exc}") from None
         if self.spec is None:
             self.spec = spec
+            self.evaluator.success_signal = bool(spec.metadata.get("success_signal", True))
             log.info("experiment spec taken from the first worker: %s", spec.name)
         problems = self.spec.mismatches(spec)
         if problems:
@@ -623,7 +626,6 @@ class Gateway:
             if now - last_metrics >= 1.0:
                 self.emit_metrics()
                 last_metrics = now
-        self.emit_metrics()  # the final counts, however short the run
 
     def emit_metrics(self) -> None:
         status = self.status()
@@ -716,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         freeze_heap()
         gateway.run()
         gateway.drain_on_exit(gateway.config.stop_drain_s)
+        gateway.emit_metrics()  # the final counts, however short the run
     finally:
         gateway.close()
     return 0

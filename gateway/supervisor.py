@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +55,20 @@ from gateway.transport import CurveKeys, connect, make_socket
 log = logging.getLogger("loopgate.up")
 
 EXIT_CONFIG = 2
+
+
+_EXCEPTION = re.compile(
+    r"^[A-Za-z_][\w.]*(Error|Exception|Unavailable|Disconnected|Timeout|Interrupt|Exit)\b.*"
+)
+"""A Python exception's last traceback line, e.g. ``robots.ros2.RobotUnavailable: no messages ...``."""
+
+
+def describe_exit(code: int) -> str:
+    """An exit status in words: ``1``, or ``signal SIGKILL`` for a process killed by one."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+    return str(code)
 
 
 class ControlClient:
@@ -194,7 +209,12 @@ class Supervisor:
                 proc.state = "backoff"
                 proc.next_start = now + min(0.5 * 2 ** (proc.restarts - 1), 5.0)
                 log.warning(
-                    "%s exited with %d; restart %d/%d", s.name, code, proc.restarts, self.cfg.run.max_restarts
+                    "%s exited with %s; restart %d/%d: %s",
+                    s.name,
+                    describe_exit(code),
+                    proc.restarts,
+                    self.cfg.run.max_restarts,
+                    self.reason(s.name),
                 )
             else:
                 proc.state = "failed"
@@ -202,6 +222,16 @@ class Supervisor:
                     self.failed = (
                         f"{s.name} exited with {code} after {proc.restarts} restart(s): {self.tail(s.name)}"
                     )
+
+    def reason(self, name: str) -> str:
+        """Why a service ended, from its log: the last exception or error line."""
+        path = self.logs / f"{name}.log"
+        lines = path.read_text(errors="replace").splitlines()[-200:] if path.exists() else []
+        for line in reversed(lines):
+            text = line.strip()
+            if _EXCEPTION.match(text) or " ERROR " in text or " CRITICAL " in text:
+                return text[:400]
+        return f"no error in logs/{name}.log" + (f" (last line: {lines[-1].strip()[:200]})" if lines else "")
 
     def tail(self, name: str, lines: int = 5) -> str:
         path = self.logs / f"{name}.log"

@@ -86,6 +86,10 @@ class GymnasiumBackendConfig:
     """Control rate for the spec; default: the env's ``metadata["render_fps"]``."""
     max_episode_steps: int | None = None
     """Episode limit (applied with gymnasium's ``TimeLimit``); default: the registered one."""
+    success_key: str | None = None
+    """The info key that says the task succeeded (e.g. ``is_success`` of Gymnasium-Robotics);
+    None: the key the env declares in ``metadata["success_key"]``, if any; an env with
+    neither has no success signal, and its success rates are reported as unknown."""
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -189,6 +193,7 @@ class GymnasiumBackend(EpisodeBackend):
                     fns, autoreset_mode=AutoresetMode.SAME_STEP, context=config.start_method
                 )
             obs_space, act_space = self._env.single_observation_space, self._env.single_action_space
+        self.success_key: str | None = config.success_key or self._env.metadata.get("success_key")
         try:
             self.spec = self._make_spec(env_spec, obs_space, act_space)
         except ValueError:
@@ -217,7 +222,7 @@ class GymnasiumBackend(EpisodeBackend):
                 action=action,
                 control_hz=float(control_hz),
                 max_episode_steps=int(max_steps),
-                metadata={"gymnasium_id": env_id},
+                metadata={"gymnasium_id": env_id, "success_signal": self.success_key is not None},
             )
         except ValueError as exc:
             if str(exc).startswith(env_id):
@@ -260,6 +265,9 @@ class GymnasiumBackend(EpisodeBackend):
                 out[key] = arr[None]
             elif arr.shape[:1] == (self.num_envs,):
                 out[key] = arr.copy()
+        key = self.success_key
+        if key is not None and key in out:
+            out["success"] = out[key].astype(bool)
         final_info = info.get("final_info")
         if isinstance(final_info, Mapping):
             # For envs that finished, report their last step, not the reset.

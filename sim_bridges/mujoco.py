@@ -270,7 +270,7 @@ class ReachEnv(gymnasium.Env[dict[str, np.ndarray], np.ndarray]):
     building one (as it does); a process that has rendered should not fork renderers.
     """
 
-    metadata: dict[str, Any] = {"render_modes": ["rgb_array"], "render_fps": 20}  # noqa: RUF012
+    metadata: dict[str, Any] = {"render_modes": ["rgb_array"], "render_fps": 20, "success_key": "success"}  # noqa: RUF012
 
     def __init__(self, render_mode: str | None = None, **options: Any) -> None:
         from gateway.config import build

@@ -186,6 +186,8 @@ def test_doctor_reports_what_is_installed():
     checks = {c["name"]: c for c in json.loads(out.stdout)["checks"]}
     assert checks["pyzmq"]["ok"] and checks["mujoco"]["ok"]
     assert all(c["ok"] or c["fix"] for c in checks.values())
+    # ROS 2's launch is reported either way (docs/ros2.md sends users here for it).
+    assert "ros2 launch" in checks and "launch" in checks["ros2 launch"]["detail"]
 
 
 def test_keys_are_made_once_and_not_overwritten(tmp_path):

@@ -55,6 +55,8 @@ def test_round_trip_through_dump(tmp_path):
         ({"env": {"options": {"succes_radius": 0.1}}}, "env.options"),
         ({"env": {"options": {"success_radius": -1.0}}}, "env.options.success_radius"),
         ({"env": ["not", "a", "map"]}, "env: must be a mapping"),
+        ({"trainer": {"batch_size": -1}}, "trainer.batch_size must be >= 1, got -1"),
+        ({"trainer": {"eval_every": -5}}, "trainer.eval_every must be >= 0 (0: no periodic evaluation)"),
     ],
 )
 def test_invalid_config_names_the_field(data, field):

@@ -270,3 +270,22 @@ def test_the_first_sigint_stops_a_training_run_gracefully_and_writes_the_summary
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
     assert summary["stored_steps"] == summary["acked_steps"] > 0
     assert not run_processes(run)
+
+
+@pytest.mark.integration
+def test_a_gateway_stopped_by_a_signal_stores_what_it_acknowledged_before_it_exits(gateway_run):
+    """No drain asked for (a launch file's SIGINT, a shell's SIGTERM): the gateway closes
+    its open episodes and hands its spool to the store itself."""
+    from gateway.metrics import read_metrics
+    from gateway.store import EpisodeStore
+
+    run = gateway_run()
+    run.worker(0)
+    wait_for(lambda: run.status()["env_steps"] >= 200, what="200 steps")
+    assert run.proc is not None
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    assert run.proc.wait(timeout=30) == 0
+    final = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if r["service"] == "gateway"][-1]
+    assert final["draining"] and final["spooled_steps"] == 0 and final["open_episodes"] == 0
+    count = EpisodeStore(run.run_dir / "episodes", readonly=True).count()
+    assert count.stored_steps == final["acked_steps"] >= 200 and count.duplicate_steps == 0

@@ -156,3 +156,25 @@ def test_robot_killed_mid_episode_is_interrupted_and_picked_up_when_it_returns(
     assert summary["stored_steps"] == summary["acked_steps"] > 0
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
     assert "RobotDisconnected" in (run_dir / "logs" / "worker-0.log").read_text()
+
+
+def test_up_prints_why_a_worker_exited(domain, tmp_path) -> None:
+    """No robot answers in the namespace: the worker's RobotUnavailable reaches the console."""
+    from tests.conftest import loopgate
+
+    sets = [
+        "env.options.namespaces=[/nobody_here]",
+        "env.options.connect_timeout_s=1.0",
+        "run.max_restarts=1",
+        "policy.kind=random",
+        "trainer.enabled=false",
+        "inference.enabled=false",
+        "replay.enabled=false",
+    ]
+    out = loopgate(
+        "up", "configs/reach_ros2.yaml", "--run-dir", str(tmp_path / "run"),
+        *[arg for s in sets for arg in ("--set", s)], timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 1
+    restart = next(line for line in out.stderr.splitlines() if "restart 1/1" in line)
+    assert "RobotUnavailable" in restart and "/nobody_here" in restart, restart

@@ -205,3 +205,29 @@ def test_reset_seed_seeds_env_i_with_seed_plus_i() -> None:
         for i in range(3):
             obs, _ = single.reset(seed=10 + i)
             np.testing.assert_array_equal(batch["obs"][i], obs["obs"][0])
+
+
+@pytest.mark.unit
+def test_an_env_without_a_success_signal_says_so_in_its_spec_and_evaluations() -> None:
+    from gateway.evaluation import Evaluator
+
+    with gym_backend(1, id="Pendulum-v1") as pendulum, gym_backend(1, id="loopgate/Reach-v0") as reach:
+        assert pendulum.spec.metadata["success_signal"] is False
+        assert reach.spec.metadata["success_signal"] is True  # declared in the env's metadata
+    evaluator = Evaluator()
+    evaluator.success_signal = False
+    evaluator.request(1, env_steps=0)
+    evaluator.new_episode("w", 0, 1)
+    one = np.array([0])
+    evaluator.steps("w", one, np.array([-1.0]), np.array([0.0]), one, np.array([True]), 1)
+    last = evaluator.status()["last"]
+    assert last["success_rate"] is None and last["return_mean"] == -1.0  # unknown, not 0 %
+
+
+@pytest.mark.unit
+def test_success_key_maps_an_envs_own_success_info() -> None:
+    with gym_backend(2, id="loopgate/Reach-v0", success_key="distance") as backend:
+        backend.reset(seed=0)
+        _, _, _, _, info = backend.step(np.zeros((2, 3), np.float32))
+        assert info["success"].dtype == np.bool_
+        np.testing.assert_array_equal(info["success"], info["distance"].astype(bool))

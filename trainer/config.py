@@ -63,24 +63,24 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            ("nproc", self.nproc >= 1),
-            ("threads", self.threads >= 1),
-            ("batch_size", self.batch_size >= 1),
-            ("prefetch", self.prefetch >= 1),
-            ("collect_steps", self.collect_steps >= 1),
-            ("updates_per_round", self.updates_per_round >= 1),
-            ("publish_every", self.publish_every >= 1),
-            ("checkpoint_every", self.checkpoint_every >= 1),
-            ("eval_every", self.eval_every >= 0),
-            ("eval_episodes", self.eval_episodes >= 1),
-            ("target_rounds", self.target_rounds >= 1),
-            ("final_eval_episodes", self.final_eval_episodes >= 0),
-            ("init_timeout_s", self.init_timeout_s > 0),
-            ("sample_timeout_s", self.sample_timeout_s > 0),
+            ("nproc", self.nproc >= 1, ">= 1"),
+            ("threads", self.threads >= 1, ">= 1"),
+            ("batch_size", self.batch_size >= 1, ">= 1"),
+            ("prefetch", self.prefetch >= 1, ">= 1"),
+            ("collect_steps", self.collect_steps >= 1, ">= 1"),
+            ("updates_per_round", self.updates_per_round >= 1, ">= 1"),
+            ("publish_every", self.publish_every >= 1, ">= 1"),
+            ("checkpoint_every", self.checkpoint_every >= 1, ">= 1"),
+            ("eval_every", self.eval_every >= 0, ">= 0 (0: no periodic evaluation)"),
+            ("eval_episodes", self.eval_episodes >= 1, ">= 1"),
+            ("target_rounds", self.target_rounds >= 1, ">= 1"),
+            ("final_eval_episodes", self.final_eval_episodes >= 0, ">= 0 (0: no final evaluation)"),
+            ("init_timeout_s", self.init_timeout_s > 0, "> 0"),
+            ("sample_timeout_s", self.sample_timeout_s > 0, "> 0"),
         ]
-        for name, ok in checks:
+        for name, ok, rule in checks:
             if not ok:
-                raise ConfigError(f"trainer.{name}: invalid value {getattr(self, name)!r}")
+                raise ConfigError(f"trainer.{name} must be {rule}, got {getattr(self, name)!r}")
         if self.batch_size % self.nproc:
             raise ConfigError(
                 f"trainer.batch_size ({self.batch_size}) must divide evenly over trainer.nproc ({self.nproc})"

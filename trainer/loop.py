@@ -212,15 +212,17 @@ class Trainer:
         if last and last["round"] != self._last_eval_round:
             self._last_eval_round = last["round"]
             self.metrics.emit({"eval": last, "updates": self.c.updates, "env_steps": status.get("env_steps")})
+            success = last["success_rate"]
             log.info(
-                "evaluation round %d: success %.2f, return %.2f (version %d)",
+                "evaluation round %d: success %s, return %.2f (version %d)",
                 last["round"],
-                last["success_rate"],
+                "n/a (the env reports no success)" if success is None else f"{success:.2f}",
                 last["return_mean"],
                 last["policy_version"],
             )
             target = self.tc.target_success_rate
-            self._eval_history.append(last["success_rate"])
+            if success is not None:
+                self._eval_history.append(success)
             recent = self._eval_history[-self.tc.target_rounds :]
             # One lucky round of a few episodes is not a policy that reaches reliably.
             if target is not None and len(recent) == self.tc.target_rounds and min(recent) >= target:

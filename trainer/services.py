@@ -62,6 +62,11 @@ def preflight(cfg: ExperimentConfig, spec: Any) -> None:
         raise ConfigError(
             "inference.network (the trainer's networks too) does not fit the env spec: " + "; ".join(problems)
         )
+    if tc.target_success_rate is not None and not spec.metadata.get("success_signal", True):
+        raise ConfigError(
+            f"trainer.target_success_rate ({tc.target_success_rate}) needs a success signal, and "
+            f"env {spec.name!r} reports none: set env.options.success_key, or trainer.target_success_rate=null"
+        )
     if (tc.eval_every or tc.final_eval_episodes) and cfg.policy.kind != "inference":
         raise ConfigError(
             f"trainer evaluations would measure policy.kind {cfg.policy.kind!r}, not the trained policy: "

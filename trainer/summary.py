@@ -87,7 +87,11 @@ def final_evaluation(
         if last is None:
             return skipped
         log.info(
-            "final evaluation: success rate %.2f, return %.2f", last["success_rate"], last["return_mean"]
+            "final evaluation: success rate %s, return %.2f",
+            "n/a (the env reports no success)"
+            if last["success_rate"] is None
+            else f"{last['success_rate']:.2f}",
+            last["return_mean"],
         )
         return {
             "eval_success_rate": last["success_rate"],
@@ -100,18 +104,23 @@ def final_evaluation(
     return skipped
 
 
+def _rate(value: float | None) -> float:
+    """A success rate to plot: NaN (no point) for an env that reports no success."""
+    return float("nan") if value is None else float(value)
+
+
 def learning_curve(cfg: ExperimentConfig, run_dir: Path, summary: dict[str, Any]) -> None:
     if not cfg.trainer.enabled:
         return
     points = sorted(
         {
-            (r["env_steps"], r["eval"]["success_rate"], r["eval"]["return_mean"])
+            (r["env_steps"], _rate(r["eval"]["success_rate"]), r["eval"]["return_mean"])
             for r in read_metrics(run_dir / "metrics.jsonl")
             if r.get("service") == "trainer" and "eval" in r and r.get("env_steps") is not None
         }
     )
-    if summary.get("eval_success_rate") is not None:
-        points.append((summary["env_steps"], summary["eval_success_rate"], summary["eval_return"]))
+    if summary.get("eval_return") is not None:
+        points.append((summary["env_steps"], _rate(summary["eval_success_rate"]), summary["eval_return"]))
     if not points:
         return
     import matplotlib
