@@ -99,7 +99,10 @@ def test_up_trains_publishes_evaluates_and_plots(tmp_path):
     _, summary = finish(up(config(tmp_path, max_updates=80), run), run)
     for key in ("eval_success_rate", "eval_return", "policy_version", "policy_lag_mean", "policy_lag_p99"):
         assert summary[key] is not None, key
-    assert summary["policy_version"] >= 8  # 80 updates / 10, plus the initial and final versions
+    # The initial version, at least one publication once the untrained round is scored
+    # (how many depends on how fast that round ends, beside training), and the final one.
+    assert summary["policy_version"] >= 3
+    assert summary["policy_version"] == trainer_records(run)[-1]["version"]
     assert summary["eval_episodes"] == 8
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
     assert (run / "learning_curve.png").stat().st_size > 1000

@@ -42,6 +42,12 @@ def build_serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="experiment config (YAML) with a replay: block")
     p.add_argument("--run-dir", required=True, help="run folder (durable data under <run>/replay)")
     p.add_argument("--set", action="append", default=[], metavar="BLOCK.KEY=VALUE", help="config override")
+    p.add_argument(
+        "--run-trainer-only",
+        action="store_true",
+        help="only the run's own trainer samples (as under `loopgate up`): tables it does not "
+        "sample get no samples-per-insert ratio, which would wait for a sampler that never comes",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -29,7 +29,14 @@ def plan_replay(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
     if not cfg.replay.enabled:
         return []
     run.endpoints["replay"] = replay_addresses(cfg, run)
-    argv = run.module("trainer.replay", "--config", str(run.config_path), "--run-dir", str(run.run_dir))
+    argv = run.module(
+        "trainer.replay",
+        "--config",
+        str(run.config_path),
+        "--run-dir",
+        str(run.run_dir),
+        "--run-trainer-only",
+    )
     # Before the gateway (order 20), so its sink finds the service at once; rebuilding
     # large tables from the log can take a while.
     return [Service(name="replay", argv=argv, order=10, ready_timeout_s=120.0)]

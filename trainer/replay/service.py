@@ -459,7 +459,7 @@ def serve(args: argparse.Namespace) -> int:
         addresses = service_addresses(cfg, run_dir)
         keys = CurveKeys.load(cfg.gateway.curve_keys) if cfg.gateway.curve_keys else None
         service = ReplayService(
-            without_idle_limiters(cfg),
+            without_idle_limiters(cfg) if args.run_trainer_only else cfg.replay,
             run_dir,
             addresses,
             keys=keys,
