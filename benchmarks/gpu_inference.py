@@ -1,6 +1,6 @@
 """GPU figures of the inference backends, for a machine with an NVIDIA GPU.
 
-Runs the product's own backends (:mod:`gateway.inference.backends`) in this process
+Runs the product's own backends (:mod:`inference.backends`) in this process
 on the reach actor (MLP ``--hidden``) at batch 1, 8, 64 and 256, with the CPU versions
 as the baseline measured in the same run:
 
@@ -101,9 +101,10 @@ def measure(
 
 
 def run(hidden: tuple[int, ...], iters: int, batches: tuple[int, ...]) -> dict[str, Any]:
-    from gateway.inference.backends import make_backend
-    from gateway.inference.config import InferenceConfig, NetworkConfig
     from gateway.registry import experiment_spec
+    from inference.backends import make_backend
+    from inference.config import InferenceConfig
+    from networks.config import NetworkConfig
 
     torch_cuda, ort_gpu, providers, why = gpu_status()
     if not (torch_cuda or ort_gpu):

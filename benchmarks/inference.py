@@ -85,7 +85,7 @@ def _free_port() -> int:
 
 def export_model(path: Path, hidden: tuple[int, ...]) -> None:
     from gateway.registry import experiment_spec
-    from trainer.networks import NetworkConfig, export_onnx, make_actor
+    from networks.modules import NetworkConfig, export_onnx, make_actor
 
     spec = experiment_spec("mujoco_reach", {})
     path.write_bytes(export_onnx(make_actor(spec, NetworkConfig(hidden_sizes=hidden), seed=0)))
@@ -93,14 +93,14 @@ def export_model(path: Path, hidden: tuple[int, ...]) -> None:
 
 def start_loopgate(procs: Processes, tmp: Path, name: str, backend: str, model: Path | None,
                    hidden: tuple[int, ...], cpus: set[int]) -> dict[str, str]:  # fmt: skip
-    """A real inference server (``python -m gateway.inference``); its addresses."""
+    """A real inference server (``python -m inference``); its addresses."""
     run = tmp / name
     run.mkdir()
     inference: dict[str, Any] = {"backend": backend, "network": {"hidden_sizes": list(hidden)}, "threads": 1}
     if model is not None:
         inference["weights"] = str(model)
     (run / "config.yaml").write_text(json.dumps({"env": {"backend": "mujoco_reach"}, "inference": inference}))
-    procs.python(name, "gateway.inference", "--config", str(run / "config.yaml"), "--run-dir", str(run),
+    procs.python(name, "inference", "--config", str(run / "config.yaml"), "--run-dir", str(run),
                  "--log-level", "WARNING", cpus=cpus)  # fmt: skip
     endpoints = run / "endpoints.json"
     wait_until(lambda: endpoints.exists() or procs.check_alive(name), 180, f"{name} to serve")
@@ -184,7 +184,7 @@ def raw_send_ms(arrays: dict[str, np.ndarray], bucket_bytes: int) -> float:
 
     import zmq
 
-    from gateway.inference.weights import bucketize
+    from inference.weights import bucketize
 
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
@@ -225,9 +225,9 @@ def _stream_into(result: dict[str, Any], procs: Processes, tmp: Path, address: s
 
 
 def measure_swaps(tmp: Path, publishes: int, figures: dict[str, list[float]]) -> None:
-    from gateway.inference.weights import DEFAULT_BUCKET_BYTES, WeightsPublisher
     from gateway.registry import experiment_spec
-    from trainer.networks import NetworkConfig, make_actor, state_dict_numpy
+    from inference.weights import DEFAULT_BUCKET_BYTES, WeightsPublisher
+    from networks.modules import NetworkConfig, make_actor, state_dict_numpy
 
     spec = experiment_spec("mujoco_reach", {})
     server_cpus, client_cpus = split_placement()

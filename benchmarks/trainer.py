@@ -166,11 +166,11 @@ def weight_sync(tmp: Path, sizes: list[str], repeats: int) -> dict[str, list[flo
 
 def _publish_sizes(world: Any, tmp: Path, sizes: list[str], repeats: int) -> dict[str, list[float]]:
     from benchmarks.inference import raw_send_ms, start_loopgate
-    from gateway.inference.config import NetworkConfig
-    from gateway.inference.weights import DEFAULT_BUCKET_BYTES, WeightsPublisher
     from gateway.registry import experiment_spec
+    from inference.weights import DEFAULT_BUCKET_BYTES, WeightsPublisher
+    from networks.config import NetworkConfig
+    from networks.modules import make_actor
     from trainer.distributed import shard
-    from trainer.networks import make_actor
     from trainer.publish import full_state_dict
 
     spec = experiment_spec("mujoco_reach", {})

@@ -36,8 +36,8 @@ def main() -> None:
 
 
 def measure(world: Any, address: str, updates: int) -> dict[str, float]:
-    from gateway.inference.config import NetworkConfig
     from gateway.registry import experiment_spec
+    from networks.config import NetworkConfig
     from trainer.algos import make_algorithm
     from trainer.replay.client import ReplayClient
 

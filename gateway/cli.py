@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("gateway.hub:main", "run the gateway process"),
     "worker": ("gateway.worker:main", "run an env worker (a batch of envs of one backend)"),
     "inference": (
-        "gateway.inference.server:main",
+        "inference.server:main",
         "run an inference server (batched policy, hot-swapped weights)",
     ),
     "train": ("trainer.__main__:main", "run the FSDP trainer (also: torchrun -m trainer)"),

@@ -31,7 +31,7 @@ CONFIG_BLOCKS: dict[str, str] = {
     "policy": "gateway.config:PolicyConfig",
     "gateway": "gateway.config:GatewayConfig",
     "run": "gateway.config:RunConfig",
-    "inference": "gateway.inference.config:InferenceConfig",
+    "inference": "inference.config:InferenceConfig",
     "replay": "trainer.replay.config:ReplayConfig",
     "trainer": "trainer.config:TrainerConfig",
 }
@@ -66,7 +66,7 @@ def make_backend(name: str, *, num_envs: int, seed: int = 0, options: dict[str, 
 
 
 SOURCES: dict[str, str] = {
-    "inference": "gateway.inference.client:InferenceSource",
+    "inference": "inference.client:InferenceSource",
 }
 """Remote action sources by ``policy.kind`` (e.g. inference servers); in-process
 policies come from :data:`POLICIES`."""
@@ -135,14 +135,14 @@ def missing_package(exc: ImportError) -> str:
 PLANS: dict[str, str] = {
     "gateway": "gateway.services:plan_gateway",
     "env": "gateway.services:plan_workers",
-    "inference": "gateway.inference.services:plan",
+    "inference": "inference.services:plan",
     "replay": "trainer.replay.plan:plan_replay",
     "trainer": "trainer.services:plan",
 }
 """Service plans by config block (see :mod:`gateway.services`), run in this order."""
 
 SUMMARY_HOOKS: dict[str, str] = {
-    "inference": "gateway.inference.services:summary",
+    "inference": "inference.services:summary",
     "trainer": "trainer.summary:learning_curve",
 }
 """By config block: ``func(cfg, run_dir, summary) -> None`` adding keys to ``summary.json``."""
@@ -154,7 +154,7 @@ STORE_READERS: dict[str, str] = {
 where the trajectories went; the default reads ``<run>/episodes``."""
 
 PREFLIGHT: dict[str, str] = {
-    "inference": "gateway.inference.services:preflight",
+    "inference": "inference.services:preflight",
     "trainer": "trainer.services:preflight",
 }
 """By config block: ``func(cfg, spec) -> None`` raising ``ConfigError`` before any

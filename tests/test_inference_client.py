@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import zmq
 
-from gateway.inference.client import InferenceSource
 from gateway.protocol import Message, MsgType, error_message, recv_routed, send
+from inference.client import InferenceSource
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.unit

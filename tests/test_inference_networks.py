@@ -11,16 +11,17 @@ import torch
 
 from gateway.config import ConfigError, from_dict
 from gateway.episode import ActionSpec, ArraySpec, EnvSpec
-from gateway.inference.backends import OrtBackend, TorchBackend
-from gateway.inference.config import InferenceConfig, NetworkConfig
-from gateway.inference.weights import (
+from gateway.registry import experiment_spec
+from inference.backends import OrtBackend, TorchBackend
+from inference.config import InferenceConfig
+from inference.weights import (
     WeightsAssembler,
     WeightsError,
     check_state_dict,
     transfer_messages,
 )
-from gateway.registry import experiment_spec
-from trainer.networks import export_onnx, make_actor, make_encoder, state_dict_numpy
+from networks.config import NetworkConfig
+from networks.modules import export_onnx, make_actor, make_encoder, state_dict_numpy
 
 pytestmark = pytest.mark.unit
 
@@ -165,7 +166,7 @@ def test_state_dicts_are_checked_for_names_shapes_dtypes_and_finite_values(chang
 
 
 def test_a_batch_waits_only_for_requests_that_known_peers_have_not_sent_yet():
-    from gateway.inference.batcher import Arrivals
+    from inference.batcher import Arrivals
 
     arrivals = Arrivals()
     arrivals.arrived(b"lone", 0.0)

@@ -17,11 +17,11 @@ import pytest
 import yaml
 import zmq
 
-from gateway.inference.weights import WeightsPublisher, transfer_messages
 from gateway.protocol import Message, MsgType, RemoteError, pack, recv, send
 from gateway.registry import experiment_spec
+from inference.weights import WeightsPublisher, transfer_messages
+from networks.modules import NetworkConfig, export_onnx, make_actor, state_dict_numpy
 from tests.conftest import REPO, wait_for
-from trainer.networks import NetworkConfig, export_onnx, make_actor, state_dict_numpy
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ SPEC = experiment_spec("mujoco_reach", {})
 
 
 class Server:
-    """One ``python -m gateway.inference`` process on a fresh run folder."""
+    """One ``python -m inference`` process on a fresh run folder."""
 
     def __init__(self, tmp: Path, backend: str, **inference: Any) -> None:
         self.run_dir = tmp / f"run-{backend}"
@@ -44,7 +44,7 @@ class Server:
         self.log = self.run_dir / "server.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway.inference", "--config", str(self.run_dir / "config.yaml"),
+                [sys.executable, "-m", "inference", "--config", str(self.run_dir / "config.yaml"),
                  "--run-dir", str(self.run_dir), "--log-level", "INFO"],
                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -339,7 +339,7 @@ def test_a_weights_file_that_does_not_fit_stops_the_server_with_a_config_error(t
     (run / "config.yaml").write_text(yaml.safe_dump({"inference": {"network": NET, "weights": str(path)}}))
     (run / "spec.json").write_text(json.dumps(SPEC.to_dict()))
     done = subprocess.run(
-        [sys.executable, "-m", "gateway.inference", "--config", str(run / "config.yaml"), "--run-dir", str(run)],
+        [sys.executable, "-m", "inference", "--config", str(run / "config.yaml"), "--run-dir", str(run)],
         capture_output=True, text=True, cwd=REPO, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2

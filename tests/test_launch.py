@@ -25,7 +25,7 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_FILES = sorted((REPO / "launch").glob("*.launch.py"))
 PACKAGE_MAINS = {
-    "gateway.inference": "gateway.inference.server",
+    "inference": "inference.server",
     "trainer.replay": "trainer.replay.cli",
     "trainer": "trainer.__main__",
 }
@@ -83,7 +83,7 @@ def test_experiment_launch_starts_what_loopgate_up_starts(tmp_path: Path) -> Non
     procs = module.processes(values)
     started = {p.name: check_process(p.argv) for p in procs}
     assert started["gateway"] == "gateway.hub" and started["worker-0"] == "gateway.worker"
-    assert started["inference-0"] == "gateway.inference.server" and started["replay"] == "trainer.replay.cli"
+    assert started["inference-0"] == "inference.server" and started["replay"] == "trainer.replay.cli"
     assert started["trainer"] == "trainer.__main__"
     assert (tmp_path / "run" / "endpoints.json").is_file()  # the same run folder loopgate up prepares
     assert next(p for p in procs if p.name == "worker-0").respawn

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gateway.config import ConfigError, from_dict
-from gateway.inference.config import NetworkConfig
+from networks.config import NetworkConfig
 from sim_bridges.reach import ReachTask
 from trainer.algos import make_algorithm
 from trainer.publish import Publisher
@@ -124,7 +124,7 @@ def test_unknown_algorithm_and_bad_options_are_refused():
 
 
 def test_published_weights_are_a_snapshot_not_the_live_parameters():
-    from trainer.networks import make_actor
+    from networks.modules import make_actor
     from trainer.publish import full_state_dict
 
     actor = make_actor(SPEC, NET, seed=0)
@@ -140,7 +140,7 @@ def test_published_weights_are_a_snapshot_not_the_live_parameters():
 def test_a_snapshot_reuses_spare_buffers_and_takes_the_new_values():
     """The publisher hands a finished publication's arrays back for the next snapshot: the
     same memory, the current parameters, still not aliasing them."""
-    from trainer.networks import make_actor
+    from networks.modules import make_actor
     from trainer.publish import full_state_dict
 
     actor = make_actor(SPEC, NET, seed=0)

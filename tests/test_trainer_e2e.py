@@ -191,7 +191,7 @@ def test_an_inference_server_that_misses_publications_catches_up(tmp_path):
     proc = up(path, run)
     try:
         wait_for(lambda: any(r["version"] >= 3 for r in trainer_records(run)), timeout=300, what="version 3")
-        pid = pid_of(f"gateway.inference.*{run}.*--index 1")
+        pid = pid_of(f"inference.*{run}.*--index 1")
         os.kill(pid, signal.SIGKILL)
     except BaseException:
         proc.kill()

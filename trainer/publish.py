@@ -65,7 +65,7 @@ class Publisher:
         control: Any | None,
         timeout_s: float = 30.0,
     ) -> None:
-        from gateway.inference.weights import WeightsPublisher
+        from inference.weights import WeightsPublisher
 
         self.spec, self.net_config, self.onnx = spec, net_config, onnx
         self.control = control
@@ -151,7 +151,7 @@ class Publisher:
                 log.warning("publication of version %d incomplete: %s", version, exc)
 
     def _export(self, arrays: dict[str, np.ndarray]) -> bytes:
-        from trainer.networks import export_onnx, load_numpy, make_actor
+        from networks.modules import export_onnx, load_numpy, make_actor
 
         actor = make_actor(self.spec, self.net_config)
         load_numpy(actor, arrays)

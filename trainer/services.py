@@ -44,7 +44,7 @@ def plan(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
 def preflight(cfg: ExperimentConfig, spec: Any) -> None:
     """Refuse a trainer that could not train or whose results would mislead, before anything starts."""
     from gateway.config import ConfigError, build
-    from gateway.inference.config import network_problems
+    from networks.config import network_problems
 
     tc = cfg.trainer
     if not tc.enabled:

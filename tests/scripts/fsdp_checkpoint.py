@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gateway.inference.config import NetworkConfig
+from networks.config import NetworkConfig
 from sim_bridges.reach import ReachTask
 from trainer import checkpoint
 from trainer.algos import make_algorithm

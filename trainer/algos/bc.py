@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from gateway.episode import EnvSpec
+from networks.modules import make_actor
 from trainer.algos import Algorithm
 from trainer.algos.common import clip_and_check
-from trainer.networks import make_actor
 
 _EDGE = 1e-4  # keeps atanh finite for demonstrated actions on the bounds
 

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from gateway.episode import EnvSpec
+from networks.modules import make_actor, make_encoder, mlp
 from trainer.algos import Algorithm
 from trainer.algos.common import clip_groups, soft_update
-from trainer.networks import make_actor, make_encoder, mlp
 
 
 @dataclass(frozen=True, kw_only=True)

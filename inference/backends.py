@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from gateway.episode import EnvSpec
-from gateway.inference.config import InferenceConfig
-from gateway.inference.weights import WeightsError, check_state_dict
 from gateway.protocol import ErrorCode
+from inference.config import InferenceConfig
+from inference.weights import WeightsError, check_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class TorchBackend(Backend):
         super().__init__(spec, config)
         import torch
 
-        from trainer.networks import make_actor
+        from networks.modules import make_actor
 
         self.torch, self._make_actor = torch, make_actor
         self.device = _torch_device(config.device)
@@ -474,7 +474,7 @@ class OrtBackend(Backend):
         if isinstance(loaded, bytes):
             policy = self._adopt_base(loaded)
         else:
-            from trainer.networks import export_onnx, load_numpy, make_actor
+            from networks.modules import export_onnx, load_numpy, make_actor
 
             actor = make_actor(self.spec, c.network, seed=c.init_seed)
             if loaded is not None:

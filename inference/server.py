@@ -8,19 +8,19 @@ Three ROUTER sockets (addresses in ``endpoints.json`` under ``inference[i]``):
   and ``policy_version i64[B]``, or ERROR (``bad_request``: observations that do not
   fit the spec; ``deadline_exceeded``; ``unavailable``: queue full). HEARTBEAT ->
   HEARTBEAT ``{version, queue_rows}``.
-- ``weights``: WEIGHTS buckets -> WEIGHTS_ACK or ERROR (:mod:`gateway.inference.weights`);
+- ``weights``: WEIGHTS buckets -> WEIGHTS_ACK or ERROR (:mod:`inference.weights`);
   COMMAND ``rollback``.
 - ``control``: METADATA -> REPLY (spec, backend, providers, device, version, queue
   depth, counters); COMMAND ``status`` | ``rollback`` | ``shutdown``.
 
 Two threads. The socket thread receives and validates requests, and when a batch is
-due runs it and answers straight away (:mod:`gateway.inference.batcher`); requests
+due runs it and answers straight away (:mod:`inference.batcher`); requests
 arriving meanwhile queue in ZeroMQ and form the next batch. The loader thread
 assembles, validates and builds new versions, so a publication never holds up
 serving; its answers reach the socket thread over an ``inproc`` socket without copies.
 Counters and latency histograms go to ``<run>/metrics.jsonl`` as ``inference-<i>``::
 
-    python -m gateway.inference --config configs/reach_sim.yaml --run-dir runs/inf --index 0
+    python -m inference --config configs/reach_sim.yaml --run-dir runs/inf --index 0
 """
 
 from __future__ import annotations
@@ -44,10 +44,6 @@ import zmq
 from gateway import lifeline
 from gateway.config import ConfigError, to_plain
 from gateway.episode import EnvSpec
-from gateway.inference.backends import Backend, LoadedPolicy, make_backend
-from gateway.inference.batcher import Batcher, Request, Staged, Stats
-from gateway.inference.config import InferenceConfig, network_problems
-from gateway.inference.weights import WeightsAssembler, WeightsError
 from gateway.metrics import MetricsWriter
 from gateway.protocol import (
     ErrorCode,
@@ -63,6 +59,11 @@ from gateway.protocol import (
 )
 from gateway.services import freeze_heap
 from gateway.transport import CurveKeys, bind, make_socket
+from inference.backends import Backend, LoadedPolicy, make_backend
+from inference.batcher import Batcher, Request, Staged, Stats
+from inference.config import InferenceConfig
+from inference.weights import WeightsAssembler, WeightsError
+from networks.config import network_problems
 
 log = logging.getLogger(__name__)
 
@@ -443,8 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_server(args: argparse.Namespace) -> InferenceServer:
     from gateway.config import load_config
-    from gateway.inference.services import replica_addresses
     from gateway.registry import experiment_spec
+    from inference.services import replica_addresses
 
     cfg = load_config(args.config, args.set)
     run_dir = Path(args.run_dir)

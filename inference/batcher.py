@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from gateway.inference.backends import LoadedPolicy
 from gateway.metrics import Histogram
 from gateway.protocol import ErrorCode, Message, MsgType, error_message
+from inference.backends import LoadedPolicy
 
 log = logging.getLogger(__name__)
 

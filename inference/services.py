@@ -3,7 +3,7 @@
 Registered in :mod:`gateway.registry` under the ``inference`` block:
 
 - ``PLANS["inference"]`` -> :func:`plan`: one ``inference-<i>`` service per replica
-  (``python -m gateway.inference --index i``), started before the gateway, and the
+  (``python -m inference --index i``), started before the gateway, and the
   addresses in ``endpoints.json``, written before anything starts::
 
       "inference": [
@@ -13,7 +13,7 @@ Registered in :mod:`gateway.registry` under the ``inference`` block:
       ]
 
   ``requests`` is where gateways send observations, ``weights`` where a trainer
-  publishes (:class:`~gateway.inference.weights.WeightsPublisher`), ``control`` answers
+  publishes (:class:`~inference.weights.WeightsPublisher`), ``control`` answers
   METADATA and COMMANDs. Nothing is planned while ``inference.enabled`` is false.
 - ``PREFLIGHT["inference"]`` -> :func:`preflight`: ``policy.kind: inference`` needs
   ``inference.enabled: true``; the network must fit the env spec; the weights file
@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import ConfigError, ExperimentConfig
-from gateway.inference.config import InferenceConfig, network_problems
 from gateway.services import RunContext, Service, address
 from gateway.transport import endpoint
+from inference.config import InferenceConfig
+from networks.config import network_problems
 
 SOCKET_NAMES = ("requests", "weights", "control")
 
@@ -70,7 +71,7 @@ def plan(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
     services = []
     for index in range(icfg.replicas):
         argv = run.module(
-            "gateway.inference",
+            "inference",
             "--config",
             str(run.config_path),
             "--run-dir",

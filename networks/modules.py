@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from gateway.episode import EnvSpec
-from gateway.inference.config import NetworkConfig, conv_layers, is_image, network_problems
+from networks.config import NetworkConfig, conv_layers, is_image, network_problems
 
 __all__ = ["Actor", "NetworkConfig", "ObsEncoder", "export_onnx", "make_actor", "make_encoder"]
 

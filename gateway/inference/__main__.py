@@ -1,7 +1,0 @@
-"""``python -m gateway.inference``: one inference server (see :mod:`gateway.inference.server`)."""
-
-import sys
-
-from gateway.inference.server import main
-
-sys.exit(main())
