@@ -14,7 +14,7 @@ from gateway import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("gateway.supervisor:main", "start and supervise every process of an experiment"),
-    "gateway": ("gateway.hub:main", "run the gateway process"),
+    "gateway": ("gateway.hub.__main__:main", "run the gateway process"),
     "worker": ("gateway.worker:main", "run an env worker (a batch of envs of one backend)"),
     "inference": (
         "inference.server:main",
@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "train": ("trainer.__main__:main", "run the FSDP trainer (also: torchrun -m trainer)"),
     "bench": ("benchmarks.__main__:main", "measure the data path against raw baselines"),
+    "chaos": ("benchmarks.chaos:main", "run an experiment under injected faults; check nothing was lost"),
     "doctor": ("gateway.doctor:main", "show what is installed and what to install"),
     "keys": ("gateway.keys:main", "make CURVE keys for binding beyond loopback"),
     "emulator": ("robots.emulator:main", "emulate the reach arm as a ROS 2 (ros2_control) robot"),
