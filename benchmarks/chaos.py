@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 from benchmarks import chaos_faults as faults
-from benchmarks.chaos_check import check_run, shm_entries
+from benchmarks.chaos_check import check_run
 from benchmarks.chaos_harness import Experiment, Harness
 
 log = logging.getLogger("loopgate.chaos")
@@ -179,7 +179,6 @@ def run_chaos(
     harness = Harness(exp, rng)
     harness.fuzz_n = fuzz_n
     skipped: dict[str, str] = {}
-    shm_before = shm_entries()
     stop_soak = threading.Event()
     soak_data: dict[str, Any] = {}
     log.info("chaos run: seed %d, %.0f s, folder %s", seed, duration, exp.run_dir)
@@ -228,13 +227,15 @@ def run_chaos(
             harness.problems.append(
                 f"loopgate up ended with status {code}; see {workdir}/up-{exp.starts}.log"
             )
+    except TimeoutError as exc:  # the run never came up, or went away: reported, not raised
+        harness.problems.append(str(exc))
     finally:
         stop_soak.set()
         exp.kill_everything()
         if harness.proxy is not None:
             harness.proxy.close()
         try:
-            check = check_run(exp.run_dir, tmp_dir=exp.tmp, shm_before=shm_before)
+            check = check_run(exp.run_dir, tmp_dir=exp.tmp, shm_used=exp.shm_used)
         finally:
             for disk in harness.disks.values():
                 disk.unmount()

@@ -25,6 +25,7 @@ The promises checked:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -170,16 +171,29 @@ def run_processes(run_dir: Path) -> list[str]:
     return [line for line in found.stdout.splitlines() if "pgrep" not in line]
 
 
-def shm_entries() -> set[str]:
-    try:
-        return {p.name for p in SHM.iterdir()}
-    except OSError:
-        return set()
+def shm_in_use(pids: Iterable[int]) -> set[str]:
+    """Shared-memory files (``/dev/shm/...``) these processes have open or mapped. Only
+    those are the run's: on a shared machine other programs make their own there."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                if path.startswith(f"{SHM}/"):
+                    found.add(path.removesuffix(" (deleted)"))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith(f"{SHM}/"):
+                        found.add(target.removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return found
 
 
-def leftovers(run_dir: Path, tmp_dir: Path | None, shm_before: set[str]) -> list[str]:
-    """Temporary files the run's processes left: in their private ``TMPDIR``, in
-    ``/dev/shm`` (entries new since the run started), and ``*.tmp`` in the run folder."""
+def leftovers(run_dir: Path, tmp_dir: Path | None, shm_used: set[str]) -> list[str]:
+    """Temporary files the run's processes left: in their private ``TMPDIR``, shared
+    memory they used that still exists, and ``*.tmp`` in the run folder."""
     found: list[str] = []
     if tmp_dir is not None and tmp_dir.is_dir():
         for p in sorted(tmp_dir.rglob("*")):
@@ -187,7 +201,7 @@ def leftovers(run_dir: Path, tmp_dir: Path | None, shm_before: set[str]) -> list
             # torch keeps its compile cache there on purpose, for every later process.
             if not rel.parts[0].startswith(PERSISTENT_CACHES):
                 found.append(f"TMPDIR/{rel}")
-    found += [f"/dev/shm/{name}" for name in sorted(shm_entries() - shm_before)]
+    found += sorted(path for path in shm_used if os.path.exists(path))
     found += [str(p.relative_to(run_dir)) for p in run_dir.rglob("*.tmp")]
     return found
 
@@ -196,7 +210,7 @@ def check_run(
     run_dir: Path,
     *,
     tmp_dir: Path | None = None,
-    shm_before: set[str] | None = None,
+    shm_used: set[str] | None = None,
     require_idle: bool = True,
 ) -> CheckReport:
     """Every check above on a stopped run; figures and problems in the report."""
@@ -236,7 +250,7 @@ def check_run(
         report.figures["processes_left"] = len(left)
         if left:
             report.fail(f"{len(left)} process(es) of the run still alive: {left[:3]}")
-    files = leftovers(run_dir, tmp_dir, shm_before or shm_entries())
+    files = leftovers(run_dir, tmp_dir, shm_used or set())
     report.figures["files_left"] = len(files)
     if files:
         report.fail(f"{len(files)} temporary file(s) left: {files[:5]}")

@@ -448,3 +448,35 @@ def endpoints_to_fuzz(endpoints: dict[str, Any]) -> Iterator[tuple[str, str]]:
     for name in ("ingest", "sample", "control"):
         if name in replay:
             yield f"replay-{name}", replay[name]
+
+
+def answers(address: str, msg: Message, timeout_s: float = 10.0) -> bool:
+    """Whether a well-formed request to ``address`` gets a reply that is not an ERROR."""
+    from gateway.protocol import recv, send
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        send(sock, msg)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000)):
+                return False
+            reply = recv(sock)
+            if reply.seq == msg.seq:
+                return reply.type is not MsgType.ERROR
+        return False
+    finally:
+        sock.close(linger=0)
+
+
+def good_requests(endpoints: dict[str, Any]) -> list[tuple[str, str, Message]]:
+    """A well-formed request for each control socket of a run: ``(name, address, message)``."""
+    status = Message(MsgType.COMMAND, seq=424242, meta={"cmd": "status"})
+    out = [("gateway control", endpoints["gateway"]["control"], status)]
+    for i, replica in enumerate(endpoints.get("inference", []) or []):
+        out.append((f"inference-{i} control", replica["control"], Message(MsgType.METADATA, seq=424242)))
+    if endpoints.get("replay"):
+        out.append(("replay control", endpoints["replay"]["control"], status))
+    return out

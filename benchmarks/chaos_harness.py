@@ -36,12 +36,21 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import chaos_faults as faults
+from benchmarks.chaos_check import shm_in_use
 from gateway.protocol import RemoteError, Timeout
 
 log = logging.getLogger("loopgate.chaos")
 
 REPO = Path(__file__).resolve().parents[1]
 NEEDS = {"inference": "inference", "replay": "replay", "trainer": "trainer-rank", "link": "link-worker"}
+
+
+def _sigterm_with_parent() -> None:
+    """In the child: SIGTERM when the harness dies, however it dies (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 
 
 def classify(argv: list[str]) -> str:
@@ -109,6 +118,8 @@ class Experiment:
         self.owned: list[subprocess.Popen[bytes]] = []  # our own link workers
         self._control: Any = None
         self.started = time.monotonic()
+        self.shm_used: set[str] = set()
+        """Shared memory any process of the run was seen using (checked at the end)."""
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "TMPDIR": str(self.tmp), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
@@ -117,8 +128,16 @@ class Experiment:
         self.starts += 1
         out = open(self.workdir / f"up-{self.starts}.log", "wb")  # noqa: SIM115 - owned by the child
         argv = [sys.executable, "-m", "gateway", "up", str(self.config), "--run-dir", str(self.run_dir)]
+        # Own session (Ctrl-C at the terminal reaches the harness only); SIGTERM, the
+        # graceful stop, if the harness dies first.
         self.sup = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=self.env(), start_new_session=True
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=self.env(),
+            start_new_session=True,
+            preexec_fn=_sigterm_with_parent,
         )
         out.close()
 
@@ -126,7 +145,14 @@ class Experiment:
         out = open(self.workdir / f"link-worker-{index}.log", "ab")  # noqa: SIM115 - owned by the child
         argv = [sys.executable, "-m", "gateway.worker", "--config", str(self.run_dir / "config.yaml")]
         argv += ["--connect", address, "--index", str(index)]
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=self.env())
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=self.env(),
+            preexec_fn=_sigterm_with_parent,
+        )
         out.close()
         self.owned.append(proc)
         return proc
@@ -145,6 +171,9 @@ class Experiment:
         except (Timeout, RemoteError):
             return {}
 
+    def note_shm(self) -> None:
+        self.shm_used |= shm_in_use(p for v in run_pids(self.run_dir).values() for p in v)
+
     def pids(self) -> dict[str, list[int]]:
         found = run_pids(self.run_dir)
         owned = {p.pid for p in self.owned}
@@ -152,9 +181,23 @@ class Experiment:
             found[kind] = [p for p in found[kind] if p not in owned or kind == "link-worker"]
         return {k: v for k, v in found.items() if v}
 
-    def wait(self, what: str, predicate: Callable[[], Any], timeout_s: float, interval: float = 0.2) -> Any:
+    def wait(
+        self,
+        what: str,
+        predicate: Callable[[], Any],
+        timeout_s: float,
+        interval: float = 0.2,
+        *,
+        sup_may_exit: bool = False,
+    ) -> Any:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if not sup_may_exit and self.sup is not None and self.sup.poll() is not None:
+                tail = (self.workdir / f"up-{self.starts}.log").read_text(errors="replace").strip()
+                raise TimeoutError(
+                    f"loopgate up exited with {self.sup.returncode} while waiting for {what}: "
+                    + " | ".join(tail.splitlines()[-3:])
+                )
             value = predicate()
             if value:
                 return value
@@ -163,6 +206,7 @@ class Experiment:
 
     def stop(self, timeout_s: float = 120.0) -> int | None:
         """Ctrl-C's path: drain, stop every service, write summary.json."""
+        self.note_shm()
         for proc in self.owned:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -192,7 +236,7 @@ class Experiment:
                 proc.kill()
                 proc.wait()
         with contextlib.suppress(TimeoutError):
-            self.wait("exit of the run's services", lambda: not run_pids(self.run_dir), 30)
+            self.wait("exit of the run's services", lambda: not run_pids(self.run_dir), 30, sup_may_exit=True)
         for pids in run_pids(self.run_dir).values():
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
@@ -246,8 +290,10 @@ class Harness:
             self.exp.wait(
                 "trainer ranks", lambda: len(self.exp.pids().get("trainer-rank", [])) >= nproc, timeout_s
             )
+            self.exp.wait("a published policy version", lambda: self.trainer_progress()[2] > 0, timeout_s)
         time.sleep(1.0)
         self.baseline = {k: len(v) for k, v in self.exp.pids().items() if k != "other"}
+        self.exp.note_shm()
 
     def available(self, kind: str) -> bool:
         if kind == "fuzz":
@@ -262,6 +308,7 @@ class Harness:
 
     def inject(self, kind: str) -> FaultRecord:
         rec = FaultRecord(kind=kind, at_s=round(time.monotonic() - self.exp.started, 1))
+        self.exp.note_shm()
         before = self.exp.pids()
         try:
             getattr(self, "_" + kind.replace(".", "_"))(rec)
@@ -314,8 +361,37 @@ class Harness:
     def _kill_replay(self, rec: FaultRecord) -> None:
         self._kill(rec, "replay")
 
+    def trainer_progress(self) -> tuple[float, int, int]:
+        """``(unix time, updates, version)`` of the trainer's newest metrics record."""
+        path = self.exp.run_dir / "metrics.jsonl"
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - (256 << 10)))
+            for line in reversed(f.read().decode(errors="replace").splitlines()):
+                if '"service": "trainer"' in line and '"version"' in line:
+                    with contextlib.suppress(ValueError):
+                        r = json.loads(line)
+                        return float(r["t"]), int(r["updates"]), int(r["version"])
+        return 0.0, 0, 0
+
     def _kill_trainer(self, rec: FaultRecord) -> None:
+        """A rank dies: torchrun ends, ``loopgate up`` restarts the trainer, which resumes
+        from its newest checkpoint; recovered once it reports updates again."""
+        t_kill = time.time()
+        t0 = time.monotonic()
         self._kill(rec, "trainer-rank")
+        first: list[int] = []
+
+        def training() -> bool:
+            t, updates, _ = self.trainer_progress()
+            if t <= t_kill:
+                return False
+            if not first:
+                first.append(updates)
+            return updates > first[0]
+
+        self.exp.wait("the restarted trainer's updates", training, self.recover_timeout_s)
+        rec.recover_s = round(time.monotonic() - t0, 2)
+        rec.detail["resumed_at_updates"] = first[0] if first else None
 
     def _kill_supervisor(self, rec: FaultRecord) -> None:
         """SIGKILL ``loopgate up``: everything of the run must end by itself; then
@@ -330,7 +406,7 @@ class Harness:
         owned = {p.pid for p in self.exp.owned}
         left = lambda: [p for v in run_pids(self.exp.run_dir).values() for p in v if p not in owned]  # noqa: E731
         try:
-            self.exp.wait("end of every service", lambda: not left(), 45)
+            self.exp.wait("end of every service", lambda: not left(), 45, sup_may_exit=True)
         except TimeoutError:
             self.problems.append(f"kill.supervisor: processes left 45 s later: {left()}")
             raise
@@ -460,6 +536,10 @@ class Harness:
             self.problems.append(f"fuzz: fewer than {n} messages went to {short}")
         if rate_during <= 0:
             self.problems.append("fuzz: no step was acknowledged while fuzzing")
+        unanswered = [name for name, a, m in faults.good_requests(endpoints) if not faults.answers(a, m)]
+        rec.detail["good_requests_unanswered"] = unanswered
+        if unanswered:
+            self.problems.append(f"fuzz: no answer to a well-formed request afterwards from {unanswered}")
         self._recover(rec, self.acked())
 
     fuzz_n = 10_000
