@@ -24,6 +24,8 @@ def plan(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
             "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={tc.nproc}",
+            # torchrun's per-rank error files; by default a temporary folder it never removes.
+            f"--log-dir={run.run_dir / 'logs' / 'torchrun'}",
             "-m",
             "trainer",
             *args,
