@@ -14,7 +14,7 @@ from gateway import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("gateway.supervisor:main", "start and supervise every process of an experiment"),
-    "gateway": ("gateway.hub:main", "run the gateway process"),
+    "gateway": ("gateway.hub.__main__:main", "run the gateway process"),
     "worker": ("gateway.worker:main", "run an env worker (a batch of envs of one backend)"),
     "inference": (
         "inference.server:main",

@@ -107,6 +107,9 @@ class GatewayConfig:
     """When the spool calls fsync: a killed process never loses written steps; fsync protects against power loss."""
     spool_fsync_interval_s: float = 1.0
     """fsync period with ``spool_fsync: interval``."""
+    action_deadline_s: float = 5.0
+    """How long the gateway waits for the policy's actions for one observation before it
+    asks again (an inference server that died, a lost request)."""
     stop_drain_s: float = 10.0
     """At a stop nobody drained first (a signal): how long the sink gets to store what is
     recorded before the gateway exits; the rest stays in the spool for the next start."""
@@ -114,6 +117,8 @@ class GatewayConfig:
     """Size limits for incoming messages."""
 
     def __post_init__(self) -> None:
+        if not self.action_deadline_s > 0:
+            raise ConfigError(f"gateway.action_deadline_s must be > 0, got {self.action_deadline_s}")
         if self.stop_drain_s < 0:
             raise ConfigError(f"gateway.stop_drain_s must be >= 0, got {self.stop_drain_s}")
         for name in ("worker_port", "client_port", "control_port"):

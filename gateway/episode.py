@@ -45,14 +45,12 @@ StepResult = tuple[Obs, npt.NDArray[np.float32], npt.NDArray[np.bool_], npt.NDAr
 
 
 class AutoresetMode(str, Enum):
-    """When a batched backend resets a finished env (Gymnasium's three modes)."""
+    """When a batched backend resets a finished env. loopgate speaks one of Gymnasium's
+    three modes, ``SAME_STEP``: a backend over a simulator with another mode adapts it
+    (as the ``gymnasium`` backend builds its vector envs with ``SAME_STEP``)."""
 
-    NEXT_STEP = "next_step"
-    """The step after the last one resets and ignores its action."""
     SAME_STEP = "same_step"
     """The last step returns the reset observation; the final one is in info."""
-    DISABLED = "disabled"
-    """Never; the caller resets."""
 
 
 def _check_dtype(where: str, dtype: str) -> None:

@@ -16,6 +16,7 @@ BACKENDS: dict[str, str] = {
     "mujoco_reach": "sim_bridges.mujoco:MujocoReachBackend",
     "gymnasium": "sim_bridges.gymnasium:GymnasiumBackend",
     "ros2": "robots.ros2:Ros2Backend",
+    "counter": "sim_bridges.counter:CounterBackend",
 }
 """Episode backends by the name ``env.backend`` uses."""
 

@@ -1,45 +1,43 @@
-"""The gateway process: routes observations to the policy and actions back, and records.
+"""The gateway's loop: routes observations to the policy and actions back, and records.
 
-One single-threaded event loop over ZeroMQ sockets:
+One single-threaded event loop over ZeroMQ sockets, the control socket first in every
+turn and between worker messages (an e-stop never queues behind observations):
 
 - ``workers`` (ROUTER): env workers register (HELLO with their spec; a mismatch is
   refused with ``spec_mismatch``), send OBSERVATION batches and get ACTIONs;
 - ``clients`` (ROUTER): :mod:`gateway.client` envs attach to a worker and drive it
   (RESET / STEP) instead of the policy;
 - ``control`` (ROUTER): COMMANDs from the CLI, the supervisor and the trainer (status,
-  pause, resume, estop, ready, drain, shutdown; :mod:`gateway.hub_control`);
+  pause, resume, estop, ready, drain, shutdown; :mod:`gateway.hub.control`);
 - the action source's and the trajectory sink's own sockets.
 
 Every transition a worker reports is written to the recorder's spool before the ACTION
 that acknowledges it leaves (``meta["acked"]``). A malformed message is answered with
 an ERROR naming the problem, counted, logged once per peer and code, and the loop goes
 on serving everyone else. A worker silent for ``worker_timeout_s`` has its episodes
-closed as interrupted (their steps kept).
-
-    python -m gateway.hub --config runs/x/config.yaml --run-dir runs/x
+closed as interrupted (their steps kept). Worker sessions and the collection state
+(pause, e-stop, budget, draining) are in :mod:`gateway.hub.state`; the process entry
+point (``python -m gateway.hub``) is :mod:`gateway.hub.__main__`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import signal
-import sys
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zmq
 
-from gateway import lifeline, steps
+from gateway import steps
 from gateway.config import GatewayConfig
 from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
-from gateway.hub_clients import ClientRouter
-from gateway.hub_control import ControlDesk
+from gateway.hub.clients import ClientRouter
+from gateway.hub.control import ControlDesk
+from gateway.hub.state import HOLD_MESSAGES, Collection, WorkerSession
 from gateway.metrics import Histogram, MetricsWriter
 from gateway.policies import ActionSource
 from gateway.protocol import (
@@ -54,43 +52,12 @@ from gateway.protocol import (
     unpack,
 )
 from gateway.recorder import Recorder
-from gateway.services import freeze_heap
 from gateway.steps import StepInfo
 from gateway.transport import CurveKeys, bind, make_socket
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05
-
-
-@dataclass
-class WorkerSession:
-    """What the gateway knows about one registered worker."""
-
-    uid: str
-    route: bytes
-    num_envs: int
-    last_seen: float
-    pending_obs: dict[str, np.ndarray] | None = None
-    pending_ids: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    """(episode, step, t_capture) per env of the observation waiting for an action."""
-    action: np.ndarray | None = None
-    versions: np.ndarray | None = None
-    t_action: float = 0.0
-    awaiting: int | None = None
-    """Seq of the observation waiting for an action (None: none waiting)."""
-    submitted: bool = False
-    last_seq: int = -1
-    last_reply: Message | None = None
-    client: bytes | None = None
-    env_steps: int = 0
-    rtt_us: float = 0.0
-    held: bool = False
-    """Its last observation was held by a pause (``collecting`` false: paused, e-stop,
-    budget, lag bound, replay backpressure):
-    the round trip the worker reports for it measures the pause, not the data path."""
-    acked_now: int = 0
-    """Steps the observation being answered stored (sent back in the ACTION's meta)."""
 
 
 class Gateway:
@@ -114,7 +81,6 @@ class Gateway:
         self.recorder = recorder
         self.spec = spec
         self.limits: Limits = config.limits
-        self.max_env_steps = max_env_steps
         self.metrics = metrics or MetricsWriter(None, "gateway")
         self._ctx = context or zmq.Context.instance()
         self.workers_sock = make_socket(self._ctx, zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000)
@@ -129,16 +95,12 @@ class Gateway:
         self.errors: Counter[str] = Counter()
         self._logged: set[tuple[bytes, str]] = set()
         self.rtt = Histogram()
-        self.gateway_us = Histogram()
-        self.paused = False
-        self.estopped = False
-        self.estops = 0
-        self.draining = False
-        self.stopping = False
+        self.state = Collection(max_env_steps=max_env_steps, env_steps=recorder.counters.acked_steps)
+        self.worker_timeout_s = config.worker_timeout_s
+        self.policy_drives = source is not None
         self.started = time.monotonic()
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)
         self._orphans_deadline = time.monotonic() + config.worker_timeout_s
-        self.env_steps = recorder.counters.acked_steps
         self.evaluator = Evaluator()
         if spec is not None:
             self.evaluator.success_signal = bool(spec.metadata.get("success_signal", True))
@@ -159,35 +121,19 @@ class Gateway:
         send(sock, error_message(exc.code.value, exc.message, seq), route=[route])
 
     def hold_reason(self, *, policy: bool = True) -> str | None:
-        """Why no step may be taken now, or None: ``estop``, ``draining`` (the run is
-        ending), ``paused``, ``budget`` (spent, and no evaluation round running), ``backpressure`` (the sink is not storing) or,
-        for the experiment's own policy (``policy``), ``policy_lag``. The same states
-        hold policy-driven and script-driven workers alike."""
-        if self.estopped:
-            return "estop"
-        if self.draining:
-            return "draining"
-        if self.paused:
-            return "paused"
-        if self.budget_reached and not self.evaluator.running:
-            return "budget"  # evaluation rounds (the final one) run outside the budget
-        if self.recorder.sink.blocked:
-            return "backpressure"
-        if policy and self.lag_exceeded:
-            return "policy_lag"
-        return None
+        """Why no step may be taken now (see :meth:`Collection.hold_reason`), or None; the
+        policy lag bound applies to the experiment's own policy (``policy``) only."""
+        return self.state.hold_reason(
+            sink_blocked=self.recorder.sink.blocked,
+            lag_exceeded=policy and self.lag_exceeded,
+            evaluating=self.evaluator.running,
+        )
 
     def hold_message(self, reason: str) -> str:
         """What a held peer is told, in words a person can act on."""
-        return {
-            "estop": "the e-stop is engaged; steps resume once it is released",
-            "draining": "the run is ending; no further steps are taken",
-            "paused": "collection is paused; steps resume with `resume`",
-            "budget": f"the step budget (max_env_steps={self.max_env_steps}) is reached",
-            "backpressure": f"the trajectory sink is not storing ({self.recorder.sink.describe()}); "
-            "steps so far are safe in the spool",
-            "policy_lag": "the policy lags the trainer by more than max_policy_lag versions",
-        }[reason]
+        return HOLD_MESSAGES[reason].format(
+            budget=self.state.max_env_steps, sink=self.recorder.sink.describe()
+        )
 
     @property
     def collecting(self) -> bool:
@@ -196,10 +142,6 @@ class Gateway:
     @property
     def lag_exceeded(self) -> bool:
         return self.source is not None and self.lag.exceeded(self.source.version)
-
-    @property
-    def budget_reached(self) -> bool:
-        return self.max_env_steps is not None and self.env_steps >= self.max_env_steps
 
     # ----------------------------------------------------------------- workers
 
@@ -270,7 +212,7 @@ class Gateway:
         )
         welcome = {"uid": uid, "heartbeat_s": self.config.heartbeat_s, "reset_required": reset_required}
         send(self.workers_sock, Message(MsgType.WELCOME, seq=msg.seq, meta=welcome), route=[route])
-        if self.estopped:  # a robot joining during an e-stop must hold too
+        if self.state.estopped:  # a robot joining during an e-stop must hold too
             command = {"cmd": "estop", "engaged": True, "reason": "engaged before this worker joined"}
             send(self.workers_sock, Message(MsgType.COMMAND, meta=command), route=[route])
 
@@ -307,8 +249,8 @@ class Gateway:
         # Once draining, every episode has been flushed: a step completed now (by an action
         # sent before the drain) could not reach the store, so it is neither recorded nor
         # acknowledged, like one completed in an episode the drain closed.
-        rows = np.flatnonzero(info.has_prev) if not self.draining else np.empty(0, np.int64)
-        prev = self._previous(session, msg, rows) if len(rows) else None
+        rows = np.flatnonzero(info.has_prev) if not self.state.draining else np.empty(0, np.int64)
+        prev = session.completed(msg, rows) if len(rows) else None
         # Durable before any ACTION leaves: the ACTION acknowledges these steps.
         written = self._spool(session, info, rows, prev) if prev is not None else 0
         old_episodes = session.pending_ids[0] if session.pending_ids is not None else None
@@ -383,7 +325,7 @@ class Gateway:
                         fo = {k: v[r] for k, v in final.items()} if final else None
                         self.recorder.end(prev["episodes"][j], reason, fo)
             session.env_steps += written
-            self.env_steps += written
+            self.state.env_steps += written
         # Envs that start a new episode without finishing the old one (a reset) leave it
         # interrupted; its steps so far are kept.
         fresh = ~info.has_prev
@@ -399,39 +341,7 @@ class Gateway:
         if starting.any():
             for i in np.flatnonzero(starting).tolist():
                 self.evaluator.new_episode(session.uid, i, session.num_envs)
-        self._rate.append((time.monotonic(), self.env_steps))
-
-    def _previous(self, session: WorkerSession, msg: Message, rows: np.ndarray) -> dict[str, Any]:
-        """Observation, action and ids of the step each row of ``msg`` completes."""
-        a = msg.arrays
-        if "prev/action" in a:
-            prev_obs = unpack("prev/obs", a)
-            return {
-                "obs": {k: v[rows] for k, v in prev_obs.items()},
-                "action": a["prev/action"][rows],
-                "policy_version": np.asarray(a["prev/policy_version"][rows], dtype=np.int64),
-                "t_action": a["prev/t_action"][rows],
-                "t_capture": a["prev/t_capture"][rows],
-                "episode": np.asarray(a["prev/episode"][rows], dtype=np.int64),
-                "step": a["prev/step"][rows],
-            }
-        if session.pending_obs is None or session.action is None or session.pending_ids is None:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                "observation completes a step the gateway has no record of; resend it with prev/* arrays",
-            )
-        assert session.versions is not None
-        episode, step, t_capture = session.pending_ids
-        full = len(rows) == session.num_envs
-        return {
-            "obs": session.pending_obs if full else {k: v[rows] for k, v in session.pending_obs.items()},
-            "action": session.action if full else session.action[rows],
-            "policy_version": session.versions if full else session.versions[rows],
-            "t_action": np.full(len(rows), session.t_action),
-            "t_capture": t_capture[rows],
-            "episode": episode[rows],
-            "step": step[rows],
-        }
+        self._rate.append((time.monotonic(), self.state.env_steps))
 
     def route_observation(self, session: WorkerSession, msg: Message) -> None:
         if session.client is not None:
@@ -444,7 +354,7 @@ class Gateway:
     def _submit(self, session: WorkerSession) -> None:
         assert self.source is not None and session.pending_obs is not None and session.awaiting is not None
         session.submitted = True
-        key, deadline = (session.uid, session.awaiting), time.monotonic() + 5.0
+        key, deadline = (session.uid, session.awaiting), time.monotonic() + self.config.action_deadline_s
         flags = self.evaluator.flags(session.uid, session.num_envs)
         if flags.any():  # evaluation episodes act deterministically
             self.source.submit(key, session.pending_obs, deadline, deterministic=flags.copy())
@@ -526,7 +436,7 @@ class Gateway:
             if now - t1 < 2.0 and t1 > t0:
                 rate = (s1 - s0) / (t1 - t0)
         return {
-            "env_steps": self.env_steps,
+            "env_steps": self.state.env_steps,
             "episodes": c.episodes_ended,
             "episodes_interrupted": c.episodes_interrupted,
             "acked_steps": c.acked_steps,
@@ -536,14 +446,14 @@ class Gateway:
             "rtt_p99_us": round(self.rtt.percentile(99), 1),
             "rtt": self.rtt.to_dict(),
             "errors": dict(self.errors),
-            "paused": self.paused,
+            "paused": self.state.paused,
             "lag_exceeded": self.lag_exceeded,
             "eval": self.evaluator.status(),
             **self.lag.status(),
-            "estopped": self.estopped,
-            "estops": self.estops,
-            "draining": self.draining,
-            "budget_reached": self.budget_reached,
+            "estopped": self.state.estopped,
+            "estops": self.state.estops,
+            "draining": self.state.draining,
+            "budget_reached": self.state.budget_reached,
             "held": self.hold_reason(),
             "spooled_steps": self.recorder.undelivered_steps(),
             "open_episodes": len(self.recorder.open),
@@ -567,6 +477,23 @@ class Gateway:
             ],
             "spec": self.spec.to_dict() if self.spec else None,
         }
+
+    def send_to_workers(self, msg: Message, sessions: list[WorkerSession] | None = None) -> None:
+        """``msg`` (a COMMAND) to every registered worker, or to ``sessions``."""
+        for session in self.sessions.values() if sessions is None else sessions:
+            send(self.workers_sock, msg, route=[session.route])
+
+    def begin_drain(self) -> None:
+        """The run ends: close open episodes, hand everything to the sink, record no more."""
+        if not self.state.draining:
+            log.info("draining: closing open episodes and waiting for the sink to store them")
+        self.state.draining = True
+        self.recorder.drain()
+        self.clients.release_held()  # held clients hear that the run ends
+
+    def fully_stored(self) -> bool:
+        """The sink acknowledged every recorded chunk."""
+        return self.recorder.unacked_chunks == 0
 
     def resubmit_waiting(self) -> None:
         self.clients.release_held()
@@ -594,30 +521,37 @@ class Gateway:
             self.source.tick()
         self.recorder.sink.tick()
 
+    def serve_control(self) -> None:
+        """Commands waiting on the control socket, before anything else: an e-stop is
+        applied before the next observation is answered, however many are queued."""
+        sock = self.control.sock
+        for _ in range(64):
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return
+            self.control.on_message()
+
     def run(self, stop: Any = None) -> None:
         poller = zmq.Poller()
-        handlers: dict[Any, Any] = {
-            self.workers_sock: self.on_worker_message,
-            self.control.sock: self.control.on_message,
-            self.clients.sock: self.clients.on_message,
-        }
+        handlers = [(self.workers_sock, self.on_worker_message), (self.clients.sock, self.clients.on_message)]
         extra = [*(self.source.sockets() if self.source else []), *self.recorder.sink.sockets()]
-        for sock in [*handlers, *extra]:
+        for sock in [self.control.sock, *(h[0] for h in handlers), *extra]:
             poller.register(sock, zmq.POLLIN)
         last_tick = last_metrics = time.monotonic()
         log.info("gateway serving: %s", json.dumps(self.addresses))
-        while not self.stopping and not (stop is not None and stop.is_set()):
+        while not self.state.stopping and not (stop is not None and stop.is_set()):
             events = dict(poller.poll(int(TICK_S * 1000)))
-            for sock, handler in handlers.items():
+            self.serve_control()
+            for sock, handler in handlers:
                 if sock in events:
                     for _ in range(256):  # drain what is there, but let others in
                         handler()
+                        self.serve_control()
                         if not sock.poll(0):
                             break
             # Sources and sinks drain their own sockets when asked for results.
             self.collect_actions()
             self.recorder.pump()
-            if self.draining:
+            if self.state.draining:
                 self.control.answer_drains()
             now = time.monotonic()
             if now - last_tick >= TICK_S:
@@ -633,34 +567,6 @@ class Gateway:
         status.pop("rtt", None)
         self.metrics.emit(status)
 
-    def drain_on_exit(self, timeout_s: float) -> None:
-        """A stop nobody drained first (a signal from a launch file or a shell): close the
-        open episodes as interrupted and give the sink ``timeout_s`` to store everything;
-        what it has not stored by then stays in the spool for the next start."""
-        if not self.draining:
-            self.draining = True
-            self.recorder.drain()
-        if not self.recorder.unacked_chunks:
-            return
-        log.info(
-            "stopping: waiting up to %.0f s for the sink to store %d chunk(s)",
-            timeout_s,
-            self.recorder.unacked_chunks,
-        )
-        poller = zmq.Poller()
-        for sock in self.recorder.sink.sockets():
-            poller.register(sock, zmq.POLLIN)
-        deadline = time.monotonic() + timeout_s
-        while self.recorder.unacked_chunks and time.monotonic() < deadline:
-            poller.poll(int(TICK_S * 1000))
-            self.recorder.pump()
-            self.recorder.sink.tick()
-        if self.recorder.unacked_chunks:
-            log.warning(
-                "%d step(s) not stored by the sink stay in the spool, delivered on the next start",
-                self.recorder.undelivered_steps(),
-            )
-
     def close(self) -> None:
         self.clients.close()
         self.control.close()
@@ -670,59 +576,3 @@ class Gateway:
         self.recorder.close()
         self.recorder.sink.close()
         self.metrics.close()
-
-
-# ------------------------------------------------------------------------- main
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="loopgate gateway",
-        description="Run the gateway: env workers in, actions out, trajectories recorded.",
-        epilog="example: loopgate gateway --config configs/reach_sim.yaml --run-dir runs/manual\n"
-        "         (then: loopgate worker --endpoints runs/manual/endpoints.json)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--config", required=True, help="experiment config (YAML)")
-    p.add_argument("--run-dir", required=True, help="run folder (spool, episodes, metrics)")
-    p.add_argument("--endpoints", help="endpoints.json to read addresses from (written if absent)")
-    p.add_argument("--spec", help="spec.json: the experiment's env spec (default: the first worker's)")
-    p.add_argument("--set", action="append", default=[], metavar="BLOCK.KEY=VALUE", help="config override")
-    p.add_argument("--max-env-steps", type=int, help="stop giving actions after this many recorded steps")
-    p.add_argument("--log-level", default="INFO")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    from gateway.assembly import build_gateway
-
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    lifeline.arm()
-    from gateway.config import ConfigError
-
-    try:
-        gateway = build_gateway(args)
-    except (ConfigError, ValueError, OSError) as exc:
-        log.error("%s", exc)
-        return 2
-    stopping = {"n": 0}
-
-    def _stop(signum: int, frame: Any) -> None:
-        stopping["n"] += 1
-        gateway.stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    try:
-        freeze_heap()
-        gateway.run()
-        gateway.drain_on_exit(gateway.config.stop_drain_s)
-        gateway.emit_metrics()  # the final counts, however short the run
-    finally:
-        gateway.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,16 +23,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import zmq
 
+from gateway.hub.state import Hub, WorkerSession
 from gateway.protocol import ErrorCode, Message, MsgType, ProtocolError, error_message, recv_routed, send
 from gateway.transport import CurveKeys, bind, make_socket
-
-if TYPE_CHECKING:
-    from gateway.hub import Gateway, WorkerSession
 
 log = logging.getLogger(__name__)
 
@@ -60,23 +58,23 @@ HELD_NOTICE_S = 1.0
 class ClientRouter:
     """Attaches clients to workers and relays their resets, steps and observations."""
 
-    def __init__(self, gateway: Gateway, ctx: zmq.Context[Any], address: str, keys: CurveKeys | None) -> None:
-        self.gateway = gateway
+    def __init__(self, hub: Hub, ctx: zmq.Context[Any], address: str, keys: CurveKeys | None) -> None:
+        self.hub = hub
         self.sock = make_socket(ctx, zmq.ROUTER)
         self.address = bind(self.sock, address, keys)
         self.clients: dict[bytes, ClientState] = {}
 
     def _session(self, state: ClientState) -> WorkerSession:
-        session = self.gateway.sessions.get(state.uid)
+        session = self.hub.sessions.get(state.uid)
         if session is None or session.client != state.route:
             self.clients.pop(state.route, None)
             raise ProtocolError(ErrorCode.UNAVAILABLE, f"worker {state.uid} is gone; attach again with HELLO")
         return session
 
     def on_message(self) -> None:
-        route, msg, err = recv_routed(self.sock, self.gateway.limits)
+        route, msg, err = recv_routed(self.sock, self.hub.limits)
         if err is not None:
-            self.gateway.reply_error(self.sock, route, err)
+            self.hub.reply_error(self.sock, route, err)
             return
         assert msg is not None
         try:
@@ -100,12 +98,12 @@ class ClientRouter:
                     ErrorCode.UNEXPECTED, f"{msg.type.name} is not accepted on the client socket"
                 )
         except ProtocolError as exc:
-            self.gateway.reply_error(self.sock, route, exc, msg.seq)
+            self.hub.reply_error(self.sock, route, exc, msg.seq)
 
     def on_hello(self, route: bytes, msg: Message) -> None:
         num_envs, wanted = msg.meta.get("num_envs"), msg.meta.get("worker")
         takeover = bool(msg.meta.get("takeover", False))
-        if self.gateway.source is not None and not takeover:
+        if self.hub.policy_drives and not takeover:
             raise ProtocolError(
                 ErrorCode.UNAVAILABLE,
                 "the experiment's policy drives every worker; set policy.kind: external, or attach with takeover",
@@ -115,7 +113,7 @@ class ClientRouter:
         now = time.monotonic()
         candidates = [
             s
-            for s in self.gateway.sessions.values()
+            for s in self.hub.sessions.values()
             if (wanted is None or s.uid == wanted) and (num_envs is None or s.num_envs == num_envs)
         ]
         free = [s for s in candidates if s.client is None]
@@ -129,7 +127,7 @@ class ClientRouter:
         if not free:
             known = ", ".join(
                 f"{s.uid} ({s.num_envs} envs{', taken' if s.client else ''})"
-                for s in self.gateway.sessions.values()
+                for s in self.hub.sessions.values()
             )
             raise ProtocolError(
                 ErrorCode.UNAVAILABLE,
@@ -138,14 +136,14 @@ class ClientRouter:
         session = free[0]
         session.client = route
         self.clients[route] = ClientState(route, session.uid, now, version=int(msg.meta.get("version", 0)))
-        assert self.gateway.spec is not None
-        meta = {"worker": session.uid, "num_envs": session.num_envs, "spec": self.gateway.spec.to_dict()}
+        assert self.hub.spec is not None
+        meta = {"worker": session.uid, "num_envs": session.num_envs, "spec": self.hub.spec.to_dict()}
         send(self.sock, Message(MsgType.WELCOME, seq=msg.seq, meta=meta), route=[route])
         log.info("client %s attached to worker %s", route.hex()[:8], session.uid)
 
     def _silent(self, route: bytes, now: float) -> bool:
         state = self.clients.get(route)
-        return state is None or now - state.last_seen > self.gateway.config.worker_timeout_s
+        return state is None or now - state.last_seen > self.hub.worker_timeout_s
 
     def on_request(self, state: ClientState, msg: Message) -> None:
         """A RESET or STEP: hold it while a stop state lasts, else pass it on."""
@@ -153,9 +151,9 @@ class ClientRouter:
             raise ProtocolError(
                 ErrorCode.UNEXPECTED, "the previous reset or step is still held; wait for its answer"
             )
-        reason = self.gateway.hold_reason(policy=False)
+        reason = self.hub.hold_reason(policy=False)
         if reason == "draining":
-            raise ProtocolError(ErrorCode.RUN_ENDED, self.gateway.hold_message(reason))
+            raise ProtocolError(ErrorCode.RUN_ENDED, self.hub.hold_message(reason))
         if reason is not None:
             self._session(state)  # a client of a worker that is gone hears so at once
             if msg.type is MsgType.STEP:
@@ -171,20 +169,20 @@ class ClientRouter:
     def _notify_held(self, state: ClientState, reason: str, now: float) -> None:
         assert state.held is not None
         state.held_notice = now
-        meta = {"reason": reason, "message": self.gateway.hold_message(reason)}
+        meta = {"reason": reason, "message": self.hub.hold_message(reason)}
         send(self.sock, Message(MsgType.HELD, seq=state.held.seq, meta=meta), route=[state.route])
 
     def release_held(self) -> None:
         """Go ahead with held requests whose stop state lifted; tell the others why they wait."""
         now = time.monotonic()
-        reason = self.gateway.hold_reason(policy=False)
+        reason = self.hub.hold_reason(policy=False)
         for state in [s for s in self.clients.values() if s.held is not None]:
             msg = state.held
             assert msg is not None
             try:
                 if reason == "draining":
                     state.held = None
-                    raise ProtocolError(ErrorCode.RUN_ENDED, self.gateway.hold_message(reason))
+                    raise ProtocolError(ErrorCode.RUN_ENDED, self.hub.hold_message(reason))
                 if reason is not None:
                     if now - state.held_notice >= HELD_NOTICE_S:
                         self._notify_held(state, reason, now)
@@ -195,7 +193,7 @@ class ClientRouter:
                 else:
                     self.on_step(state, msg)
             except ProtocolError as exc:
-                self.gateway.reply_error(self.sock, state.route, exc, msg.seq)
+                self.hub.reply_error(self.sock, state.route, exc, msg.seq)
 
     def on_reset(self, state: ClientState, msg: Message) -> None:
         session = self._session(state)
@@ -204,7 +202,7 @@ class ClientRouter:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"seed must be an integer or null, got {seed!r}")
         state.waiting_seq = msg.seq
         if session.awaiting is not None and not session.submitted:
-            self.gateway.send_reset(session, seed, options)
+            self.hub.send_reset(session, seed, options)
         else:
             state.reset_request = (seed, options)
 
@@ -214,8 +212,8 @@ class ClientRouter:
         action = msg.arrays.get("action")
         if action is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "STEP needs an 'action' array")
-        assert self.gateway.spec is not None
-        problems = self.gateway.spec.check_action(np.asarray(action), session.num_envs)
+        assert self.hub.spec is not None
+        problems = self.hub.spec.check_action(np.asarray(action), session.num_envs)
         if problems:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "action: " + "; ".join(problems))
         return np.asarray(action)
@@ -229,7 +227,7 @@ class ClientRouter:
         action = self._check_step(state, msg)
         state.waiting_seq = msg.seq
         versions = np.full(session.num_envs, state.version, dtype=np.int64)
-        self.gateway.send_action(session, session.awaiting, np.array(action), versions)
+        self.hub.send_action(session, session.awaiting, np.array(action), versions)
 
     def forward_observation(self, session: WorkerSession, msg: Message) -> None:
         assert session.client is not None
@@ -239,7 +237,7 @@ class ClientRouter:
         if state.reset_request is not None:
             seed, options = state.reset_request
             state.reset_request = None
-            self.gateway.send_reset(session, seed, options)
+            self.hub.send_reset(session, seed, options)
             return
         if state.waiting_seq is None:
             return  # nobody asked; the observation waits in the session until they do
@@ -254,7 +252,7 @@ class ClientRouter:
 
     def detach(self, state: ClientState) -> None:
         self.clients.pop(state.route, None)
-        session = self.gateway.sessions.get(state.uid)
+        session = self.hub.sessions.get(state.uid)
         if session is not None and session.client == state.route:
             session.client = None
             log.info("client %s detached from worker %s", state.route.hex()[:8], state.uid)

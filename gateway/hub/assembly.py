@@ -16,7 +16,7 @@ from typing import Any
 
 from gateway.config import ExperimentConfig, load_config
 from gateway.episode import EnvSpec
-from gateway.hub import Gateway
+from gateway.hub.core import Gateway
 from gateway.metrics import MetricsWriter
 from gateway.policies import ActionSource, InProcessSource, make_policy
 from gateway.recorder import Recorder

@@ -11,23 +11,22 @@ COMMAND ``{"cmd": ...}`` -> REPLY, or ERROR (``bad_request``) naming what is wro
   spool, delivered on the next start);
 - ``shutdown``.
 
-The collection state these change (paused, e-stop, budget, draining) stays on the
-:class:`~gateway.hub.Gateway`, which decides from it whether a step is answered.
+The collection state these change (paused, e-stop, budget, draining) is the hub's
+:class:`~gateway.hub.state.Collection`, which decides whether a step is answered; the
+desk sees the gateway only through :class:`~gateway.hub.state.Hub`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
+from gateway.hub.state import Hub
 from gateway.protocol import ErrorCode, Message, MsgType, ProtocolError, recv_routed, send
 from gateway.transport import CurveKeys, bind, make_socket
-
-if TYPE_CHECKING:
-    from gateway.hub import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +34,8 @@ log = logging.getLogger(__name__)
 class ControlDesk:
     """Takes COMMANDs on the control socket and applies them to the gateway."""
 
-    def __init__(self, gateway: Gateway, ctx: zmq.Context[Any], address: str, keys: CurveKeys | None) -> None:
-        self.gateway = gateway
+    def __init__(self, hub: Hub, ctx: zmq.Context[Any], address: str, keys: CurveKeys | None) -> None:
+        self.hub = hub
         self.sock = make_socket(ctx, zmq.ROUTER)
         self.address = bind(self.sock, address, keys)
         self.drain_replies: list[tuple[bytes, int, float]] = []
@@ -44,10 +43,10 @@ class ControlDesk:
         and the monotonic time by which they are answered anyway."""
 
     def on_message(self) -> None:
-        gw = self.gateway
-        route, msg, err = recv_routed(self.sock, gw.limits)
+        hub = self.hub
+        route, msg, err = recv_routed(self.sock, hub.limits)
         if err is not None:
-            gw.reply_error(self.sock, route, err)
+            hub.reply_error(self.sock, route, err)
             return
         assert msg is not None
         try:
@@ -66,29 +65,25 @@ class ControlDesk:
                     raise ProtocolError(
                         ErrorCode.BAD_REQUEST, f"deadline_s must be a positive number, got {deadline_s!r}"
                     )
-                if not gw.draining:
-                    log.info("draining: closing open episodes and waiting for the sink to store them")
-                gw.draining = True
-                gw.recorder.drain()
-                gw.clients.release_held()  # held clients hear that the run ends
+                hub.begin_drain()
                 self.drain_replies.append((route, msg.seq, time.monotonic() + float(deadline_s)))
                 return
             result = self.command(cmd, msg.meta)
             send(self.sock, Message(MsgType.REPLY, seq=msg.seq, meta=result), route=[route])
         except ProtocolError as exc:
-            gw.reply_error(self.sock, route, exc, msg.seq)
+            hub.reply_error(self.sock, route, exc, msg.seq)
 
     def answer_drains(self) -> None:
         """Answer waiting ``drain`` requests: all of them once the sink acknowledged
         everything, the others when their deadline passes (``drained: false``)."""
         if not self.drain_replies:
             return
-        drained = self.gateway.recorder.unacked_chunks == 0
+        drained = self.hub.fully_stored()
         now = time.monotonic()
         due = [r for r in self.drain_replies if drained or now >= r[2]]
         if not due:
             return
-        status = self.gateway.status()
+        status = self.hub.status()
         if not drained:
             log.warning(
                 "drain deadline: %d step(s) not stored by the sink (%s) stay in the spool, "
@@ -102,15 +97,15 @@ class ControlDesk:
         self.drain_replies = [r for r in self.drain_replies if r not in due]
 
     def command(self, cmd: Any, meta: dict[str, Any]) -> dict[str, Any]:
-        gw = self.gateway
+        hub = self.hub
         if cmd == "status":
-            return gw.status()
+            return hub.status()
         if cmd == "pause":
-            gw.paused = True
+            hub.state.paused = True
             return {"paused": True}
         if cmd == "resume":
-            gw.paused = False
-            gw.resubmit_waiting()
+            hub.state.paused = False
+            hub.resubmit_waiting()
             return {"paused": False}
         if cmd == "set_budget":
             value = meta.get("max_env_steps")
@@ -118,8 +113,8 @@ class ControlDesk:
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST, f"max_env_steps must be a positive integer, got {value!r}"
                 )
-            gw.max_env_steps = value
-            gw.resubmit_waiting()
+            hub.state.max_env_steps = value
+            hub.resubmit_waiting()
             return {"max_env_steps": value}
         if cmd == "estop":
             return self.estop(bool(meta.get("engaged", True)), str(meta.get("reason", "")))
@@ -129,7 +124,7 @@ class ControlDesk:
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST, f"episodes must be a positive integer, got {episodes!r}"
                 )
-            return gw.evaluator.request(episodes, gw.env_steps)
+            return hub.evaluator.request(episodes, hub.state.env_steps)
         if cmd == "trainer_version":
             version, made, max_lag = (
                 meta.get("version"),
@@ -140,13 +135,13 @@ class ControlDesk:
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST, f"trainer_version needs version (int) and t, got {meta}"
                 )
-            gw.lag.report(version, float(made), max_lag if isinstance(max_lag, int) else None)
-            gw.resubmit_waiting()
-            return gw.lag.status()
+            hub.lag.report(version, float(made), max_lag if isinstance(max_lag, int) else None)
+            hub.resubmit_waiting()
+            return hub.lag.status()
         if cmd == "ready":
             return self.ready(meta.get("worker"), meta.get("env"))
         if cmd == "shutdown":
-            gw.stopping = True
+            hub.state.stopping = True
             return {"stopping": True}
         raise ProtocolError(
             ErrorCode.BAD_REQUEST,
@@ -156,19 +151,19 @@ class ControlDesk:
 
     def estop(self, engaged: bool, reason: str = "") -> dict[str, Any]:
         """Engage or release the e-stop on every worker at once; no actions while engaged."""
-        gw = self.gateway
-        gw.estopped = engaged
+        hub = self.hub
+        hub.state.estopped = engaged
         if engaged:
-            gw.estops += 1
-        command = Message(MsgType.COMMAND, meta={"cmd": "estop", "engaged": engaged, "reason": reason})
-        for session in gw.sessions.values():
-            send(gw.workers_sock, command, route=[session.route])
+            hub.state.estops += 1
+        hub.send_to_workers(
+            Message(MsgType.COMMAND, meta={"cmd": "estop", "engaged": engaged, "reason": reason})
+        )
         log.warning(
-            "e-stop %s (%s) on %d worker(s)", "engaged" if engaged else "released", reason, len(gw.sessions)
+            "e-stop %s (%s) on %d worker(s)", "engaged" if engaged else "released", reason, len(hub.sessions)
         )
         if not engaged:
-            gw.resubmit_waiting()
-        return {"estopped": engaged, "workers": len(gw.sessions)}
+            hub.resubmit_waiting()
+        return {"estopped": engaged, "workers": len(hub.sessions)}
 
     def ready(self, worker: Any = None, env: Any = None) -> dict[str, Any]:
         """An operator's "ready": robots waiting at reset (``reset.wait_for_operator``) may start.
@@ -176,15 +171,14 @@ class ControlDesk:
         Goes to every worker, or to ``worker`` (uid) only, optionally for one ``env``
         index; like the e-stop it travels as a COMMAND the worker hands to its backend.
         """
-        sessions = self.gateway.sessions
+        sessions = self.hub.sessions
         if worker is not None and worker not in sessions:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"no worker {worker!r}; workers: {sorted(sessions)}")
         if env is not None and (not isinstance(env, int) or isinstance(env, bool) or env < 0):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"env must be a non-negative integer, got {env!r}")
         meta: dict[str, Any] = {"cmd": "ready"} if env is None else {"cmd": "ready", "env": env}
         targets = [sessions[worker]] if worker is not None else list(sessions.values())
-        for session in targets:
-            send(self.gateway.workers_sock, Message(MsgType.COMMAND, meta=meta), route=[session.route])
+        self.hub.send_to_workers(Message(MsgType.COMMAND, meta=meta), targets)
         log.info(
             "operator ready sent to %d worker(s)%s",
             len(targets),

@@ -1,0 +1,177 @@
+"""What the gateway knows, apart from its sockets: worker sessions and the collection state.
+
+:class:`Collection` says whether a step may be taken now, and if not why
+(:meth:`Collection.hold_reason`); the same answer holds the gateway's own policy and
+scripts driving workers through :mod:`gateway.client`. :class:`WorkerSession` is one
+registered env worker. The control and client desks (:mod:`gateway.hub.control`,
+:mod:`gateway.hub.clients`) change these through :class:`Hub`, the narrow interface
+the gateway offers them, never its attributes::
+
+    state = Collection(max_env_steps=20_000)
+    state.paused = True
+    state.hold_reason(sink_blocked=False, lag_exceeded=False, evaluating=False)  # "paused"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import zmq
+
+from gateway.episode import EnvSpec
+from gateway.evaluation import Evaluator, LagTracker
+from gateway.protocol import ErrorCode, Limits, Message, ProtocolError, unpack
+
+HOLD_MESSAGES = {
+    "estop": "the e-stop is engaged; steps resume once it is released",
+    "draining": "the run is ending; no further steps are taken",
+    "paused": "collection is paused; steps resume with `resume`",
+    "budget": "the step budget (max_env_steps={budget}) is reached",
+    "backpressure": "the trajectory sink is not storing ({sink}); steps so far are safe in the spool",
+    "policy_lag": "the policy lags the trainer by more than max_policy_lag versions",
+}
+"""What a held peer is told, by hold reason."""
+
+
+@dataclass
+class Collection:
+    """The collection state the control socket changes and every step consults."""
+
+    max_env_steps: int | None = None
+    """The step budget (None: none)."""
+    env_steps: int = 0
+    """Steps recorded so far (this run, including those recovered from the spool)."""
+    paused: bool = False
+    estopped: bool = False
+    estops: int = 0
+    """How often the e-stop was engaged."""
+    draining: bool = False
+    """The run is ending: every episode was flushed; no step is recorded any more."""
+    stopping: bool = False
+    """The gateway's loop ends at its next turn."""
+
+    @property
+    def budget_reached(self) -> bool:
+        return self.max_env_steps is not None and self.env_steps >= self.max_env_steps
+
+    def hold_reason(self, *, sink_blocked: bool, lag_exceeded: bool, evaluating: bool) -> str | None:
+        """Why no step may be taken now, or None: ``estop``, ``draining`` (the run is
+        ending), ``paused``, ``budget`` (spent, and no evaluation round running: evaluations
+        run outside the budget), ``backpressure`` (the sink is not storing) or
+        ``policy_lag`` (callers pass ``lag_exceeded`` only for the experiment's own policy)."""
+        if self.estopped:
+            return "estop"
+        if self.draining:
+            return "draining"
+        if self.paused:
+            return "paused"
+        if self.budget_reached and not evaluating:
+            return "budget"
+        if sink_blocked:
+            return "backpressure"
+        if lag_exceeded:
+            return "policy_lag"
+        return None
+
+
+@dataclass
+class WorkerSession:
+    """What the gateway knows about one registered worker."""
+
+    uid: str
+    route: bytes
+    num_envs: int
+    last_seen: float
+    pending_obs: dict[str, np.ndarray] | None = None
+    pending_ids: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """(episode, step, t_capture) per env of the observation waiting for an action."""
+    action: np.ndarray | None = None
+    versions: np.ndarray | None = None
+    t_action: float = 0.0
+    awaiting: int | None = None
+    """Seq of the observation waiting for an action (None: none waiting)."""
+    submitted: bool = False
+    last_seq: int = -1
+    last_reply: Message | None = None
+    client: bytes | None = None
+    env_steps: int = 0
+    rtt_us: float = 0.0
+    held: bool = False
+    """Its last observation was held (a hold reason applied): the round trip the worker
+    reports for it measures the hold, not the data path."""
+    acked_now: int = 0
+    """Steps the observation being answered stored (sent back in the ACTION's meta)."""
+
+    def completed(self, msg: Message, rows: np.ndarray) -> dict[str, Any]:
+        """Observation, action and ids of the step each row of ``msg`` completes: from the
+        message's ``prev/*`` arrays (a resend after a reconnect), else from what this
+        session sent last."""
+        a = msg.arrays
+        if "prev/action" in a:
+            prev_obs = unpack("prev/obs", a)
+            return {
+                "obs": {k: v[rows] for k, v in prev_obs.items()},
+                "action": a["prev/action"][rows],
+                "policy_version": np.asarray(a["prev/policy_version"][rows], dtype=np.int64),
+                "t_action": a["prev/t_action"][rows],
+                "t_capture": a["prev/t_capture"][rows],
+                "episode": np.asarray(a["prev/episode"][rows], dtype=np.int64),
+                "step": a["prev/step"][rows],
+            }
+        if self.pending_obs is None or self.action is None or self.pending_ids is None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                "observation completes a step the gateway has no record of; resend it with prev/* arrays",
+            )
+        assert self.versions is not None
+        episode, step, t_capture = self.pending_ids
+        full = len(rows) == self.num_envs
+        return {
+            "obs": self.pending_obs if full else {k: v[rows] for k, v in self.pending_obs.items()},
+            "action": self.action if full else self.action[rows],
+            "policy_version": self.versions if full else self.versions[rows],
+            "t_action": np.full(len(rows), self.t_action),
+            "t_capture": t_capture[rows],
+            "episode": episode[rows],
+            "step": step[rows],
+        }
+
+
+class Hub(Protocol):
+    """What the control and client desks may see and do of the gateway."""
+
+    state: Collection
+    sessions: dict[str, WorkerSession]
+    spec: EnvSpec | None
+    limits: Limits
+    evaluator: Evaluator
+    lag: LagTracker
+    worker_timeout_s: float
+    policy_drives: bool
+    """The experiment's own policy acts (``policy.kind`` is not ``external``)."""
+
+    def status(self) -> dict[str, Any]: ...
+
+    def hold_reason(self, *, policy: bool = True) -> str | None: ...
+
+    def hold_message(self, reason: str) -> str: ...
+
+    def reply_error(self, sock: zmq.Socket[Any], route: bytes, exc: ProtocolError, seq: int = 0) -> None: ...
+
+    def send_to_workers(self, msg: Message, sessions: list[WorkerSession] | None = None) -> None: ...
+
+    def send_action(
+        self, session: WorkerSession, seq: int, actions: np.ndarray, versions: np.ndarray
+    ) -> None: ...
+
+    def send_reset(
+        self, session: WorkerSession, seed: int | None, options: dict[str, Any] | None
+    ) -> None: ...
+
+    def resubmit_waiting(self) -> None: ...
+
+    def begin_drain(self) -> None: ...
+
+    def fully_stored(self) -> bool: ...

@@ -1,0 +1,158 @@
+"""The gateway in this process: a real :class:`~gateway.hub.Gateway` on ``inproc://``
+sockets, with the real recorder, spool and episode store, and the ``counter`` backend.
+
+``inproc`` hands a message to the peer's queue when ``send`` returns, so a test can
+queue exactly what the gateway will find on its next loop turn.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from gateway import steps
+from gateway.config import GatewayConfig
+from gateway.hub import Gateway
+from gateway.policies import InProcessSource, make_policy
+from gateway.protocol import Message, MsgType, pack, recv, send
+from gateway.recorder import Recorder
+from gateway.registry import experiment_spec, make_backend
+from gateway.store import EpisodeStore, StoreSink
+from tests.conformance.episode_backend import EpisodeBackendConformance
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.unit
+
+
+class TestCounterConformance(EpisodeBackendConformance):
+    def make_backend(self, num_envs: int, seed: int, *, max_episode_steps: int | None = None) -> Any:
+        options = {} if max_episode_steps is None else {"max_episode_steps": max_episode_steps}
+        return make_backend("counter", num_envs=num_envs, seed=seed, options=options)
+
+
+class InProcessGateway:
+    """A gateway serving in a thread of this process; ``stop()`` ends its loop."""
+
+    def __init__(self, tmp: Path, ctx: zmq.Context[Any]) -> None:
+        self.ctx, self.name = ctx, uuid.uuid4().hex[:8]
+        self.spec = experiment_spec("counter", {})
+        recorder = Recorder(tmp / "spool", StoreSink(EpisodeStore(tmp / "episodes")))
+        recorder.recover()
+        self.gateway = Gateway(
+            config=GatewayConfig(),
+            source=InProcessSource(make_policy("random", self.spec, {}, seed=0)),
+            recorder=recorder,
+            spec=self.spec,
+            addresses={k: f"inproc://{self.name}-{k}" for k in ("workers", "clients", "control")},
+            context=ctx,
+        )
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.gateway.run, kwargs={"stop": self._stop}, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(timeout=10)
+        assert not self._thread.is_alive()
+
+    def dealer(self, name: str) -> zmq.Socket[Any]:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.sndhwm = 0
+        sock.rcvhwm = 0
+        sock.connect(self.gateway.addresses[name])
+        return sock
+
+
+@pytest.fixture
+def hub(tmp_path: Path) -> Iterator[InProcessGateway]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    made = InProcessGateway(tmp_path, ctx)
+    try:
+        yield made
+    finally:
+        if made._thread is not None and made._thread.is_alive():
+            made.stop()
+        made.gateway.close()
+        ctx.destroy(linger=0)  # closes the test's own sockets too, however the test ended
+
+
+def observation(seq: int, num_envs: int) -> Message:
+    """A worker's first observation of fresh episodes (it completes no step)."""
+    obs = {"count": np.zeros((num_envs, 1), np.float32), "signal": np.zeros((num_envs, 2), np.float32)}
+    info = steps.pack(
+        episode=0, step=0, t_capture=0.0, has_prev=0, reward=0.0, terminated=0, truncated=0, success=0
+    )
+    info = np.repeat(info, num_envs, axis=0)
+    return Message(
+        MsgType.OBSERVATION, seq=seq, meta={"uid": "w"}, arrays={**pack("obs", obs), "step_info": info}
+    )
+
+
+def replies(sock: zmq.Socket[Any]) -> list[Message]:
+    out = []
+    while sock.poll(0):
+        out.append(recv(sock))
+    return out
+
+
+def test_an_estop_behind_ten_thousand_queued_observations_is_applied_before_any_is_answered(hub):
+    worker, control = hub.dealer("workers"), hub.dealer("control")
+    hub.start()
+    send(worker, Message(MsgType.HELLO, seq=1, meta={"uid": "w", "num_envs": 2, "spec": hub.spec.to_dict()}))
+    wait_for(lambda: worker.poll(0), what="WELCOME")
+    assert recv(worker).type is MsgType.WELCOME
+    hub.stop()
+    # With the loop stopped, queue a flood of observations and then the e-stop.
+    flood = 10_000
+    for seq in range(2, flood + 2):
+        send(worker, observation(seq, 2), flags=zmq.NOBLOCK)
+    send(control, Message(MsgType.COMMAND, seq=1, meta={"cmd": "estop", "engaged": True, "reason": "test"}))
+    hub.start()
+    session = hub.gateway.sessions["w"]
+    wait_for(lambda: session.last_seq == flood + 1, timeout=60, what="every queued observation handled")
+    got = replies(worker)
+    assert [m.type for m in got] == [MsgType.COMMAND], [m.type.name for m in got]  # no ACTION left
+    assert got[0].meta == {"cmd": "estop", "engaged": True, "reason": "test"}
+    assert recv(control).meta["estopped"] is True
+    # Releasing answers the newest observation only: the worker moves on from there.
+    send(control, Message(MsgType.COMMAND, seq=2, meta={"cmd": "estop", "engaged": False}))
+    wait_for(lambda: worker.poll(0), what="the action after the release")
+    released = replies(worker)
+    actions = [m for m in released if m.type is MsgType.ACTION]
+    assert [m.seq for m in actions] == [flood + 1], [(m.type.name, m.seq) for m in released]
+    worker.close()
+    control.close()
+
+
+def test_the_hub_records_a_counter_workers_steps_in_process(hub, tmp_path):
+    """The whole recording path in one process: acknowledged steps reach the store."""
+    from gateway.worker import EnvWorker
+
+    hub.start()
+    backend = make_backend("counter", num_envs=3, seed=0)
+    worker = EnvWorker(backend, hub.gateway.addresses["workers"], uid="counter-w", context=hub.ctx)
+    worker.run(max_steps=120)
+    # Its BYE closes its open episodes (as interrupted, their steps kept).
+    wait_for(lambda: not hub.gateway.sessions, what="the worker's goodbye handled")
+    assert hub.gateway.state.env_steps >= worker.acked_steps > 0
+    send(control := hub.dealer("control"), Message(MsgType.COMMAND, seq=1, meta={"cmd": "drain"}))
+    wait_for(lambda: control.poll(0), timeout=30, what="the drain's answer")
+    final = recv(control).meta
+    hub.stop()
+    count = EpisodeStore(tmp_path / "episodes", readonly=True).count()
+    assert final["drained"] and count.stored_steps == final["acked_steps"] == hub.gateway.state.env_steps
+    assert count.completed_episodes >= 3 and count.duplicate_steps == 0
+    control.close()
