@@ -101,7 +101,7 @@ def measure(
 
 
 def run(hidden: tuple[int, ...], iters: int, batches: tuple[int, ...]) -> dict[str, Any]:
-    from gateway.registry import experiment_spec
+    from gateway.factory import experiment_spec
     from inference.backends import make_backend
     from inference.config import InferenceConfig
     from networks.config import NetworkConfig

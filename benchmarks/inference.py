@@ -84,7 +84,7 @@ def _free_port() -> int:
 
 
 def export_model(path: Path, hidden: tuple[int, ...]) -> None:
-    from gateway.registry import experiment_spec
+    from gateway.factory import experiment_spec
     from networks.modules import NetworkConfig, export_onnx, make_actor
 
     spec = experiment_spec("mujoco_reach", {})
@@ -225,7 +225,7 @@ def _stream_into(result: dict[str, Any], procs: Processes, tmp: Path, address: s
 
 
 def measure_swaps(tmp: Path, publishes: int, figures: dict[str, list[float]]) -> None:
-    from gateway.registry import experiment_spec
+    from gateway.factory import experiment_spec
     from inference.weights import DEFAULT_BUCKET_BYTES, WeightsPublisher
     from networks.modules import NetworkConfig, make_actor, state_dict_numpy
 

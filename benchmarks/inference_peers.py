@@ -133,7 +133,7 @@ def run_grpc_server(args: argparse.Namespace) -> int:
 
 
 def reach_obs(batch: int, seed: int) -> dict[str, np.ndarray]:
-    from gateway.registry import experiment_spec
+    from gateway.factory import experiment_spec
 
     spec = experiment_spec("mujoco_reach", {})
     rng = np.random.default_rng(seed)

@@ -61,7 +61,7 @@ NAMES: tuple[str, ...] = (
 
 def reach_chunks(steps: int, episode: int = 50, chunk: int = 25) -> list[Any]:
     """Synthetic reach-task trajectory chunks (random but well-formed)."""
-    from gateway.registry import experiment_spec
+    from gateway.factory import experiment_spec
     from gateway.trajectory import StepRows
 
     spec = experiment_spec("mujoco_reach", {})
@@ -166,7 +166,7 @@ def weight_sync(tmp: Path, sizes: list[str], repeats: int) -> dict[str, list[flo
 
 def _publish_sizes(world: Any, tmp: Path, sizes: list[str], repeats: int) -> dict[str, list[float]]:
     from benchmarks.inference import raw_send_ms, start_loopgate
-    from gateway.registry import experiment_spec
+    from gateway.factory import experiment_spec
     from inference.weights import DEFAULT_BUCKET_BYTES, WeightsPublisher
     from networks.config import NetworkConfig
     from networks.modules import make_actor

@@ -36,7 +36,7 @@ def main() -> None:
 
 
 def measure(world: Any, address: str, updates: int) -> dict[str, float]:
-    from gateway.registry import experiment_spec
+    from gateway.factory import experiment_spec
     from networks.config import NetworkConfig
     from trainer.algos import make_algorithm
     from trainer.replay.client import ReplayClient

@@ -16,8 +16,6 @@ A sim config and its real twin differ only in their ``env:`` block.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,15 +23,21 @@ from typing import Any, Literal
 
 import yaml
 
+from gateway.factory import ConfigError, build
 from gateway.protocol.codec import Limits
 from gateway.registry import BACKENDS, CONFIG_BLOCKS, POLICIES, resolve
 
-
-class ConfigError(ValueError):
-    """An invalid config; the message names the field (``block.key``) and the value."""
-
-
-# ----------------------------------------------------------------------------- blocks
+__all__ = [
+    "ConfigError",
+    "EnvConfig",
+    "ExperimentConfig",
+    "GatewayConfig",
+    "PolicyConfig",
+    "RunConfig",
+    "build",
+    "from_dict",
+    "load_config",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,96 +216,6 @@ def to_plain(value: Any) -> Any:
     return value
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def coerce(tp: Any, value: Any, where: str) -> Any:
-    """Check (and gently convert) ``value`` against annotation ``tp``."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(arg, value, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(
-            errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {_type_name(tp)}"
-        )
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where} must be one of {', '.join(map(repr, args))}, got {value!r}")
-        return value
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where} must be a mapping, got {value!r}")
-        return build(tp, value, where)
-    if origin in (dict, Mapping) or tp is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where} must be a mapping, got {value!r}")
-        vt = args[1] if len(args) == 2 else Any
-        return {str(k): coerce(vt, v, f"{where}.{k}") for k, v in value.items()}
-    if origin in (list, tuple, Sequence) or tp in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where} must be a list, got {value!r}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(value):
-                raise ConfigError(f"{where} must have {len(args)} elements, got {len(value)}")
-            return tuple(coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-        et = args[0] if args else Any
-        items = [coerce(et, v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple or tp is tuple else items
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{where} must be a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{where} must be a string, got {value!r}")
-    if isinstance(tp, type) and isinstance(value, tp):
-        return value
-    raise ConfigError(f"{where}: cannot check a value of type {_type_name(tp)} (got {value!r})")
-
-
-def build(cls: type, data: Mapping[str, Any], where: str) -> Any:
-    """Build dataclass ``cls`` from ``data``; unknown keys and bad values name the field."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
-    kwargs = {name: coerce(hints[name], value, f"{where}.{name}") for name, value in data.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as exc:
-        text = str(exc)
-        # Validators usually name the full field already ("env.options.max_delta ...").
-        raise ConfigError(text if text.startswith(f"{where}.") else f"{where}: {text}") from exc
-
-
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"block.key.sub=value"`` -> (path, YAML-parsed value)."""
     key, sep, raw = text.partition("=")
@@ -353,6 +267,7 @@ def from_dict(
         blocks[block] = build(cls, value, block)
     cfg = ExperimentConfig(blocks, name=exp_name)
     check_backend_options(cfg)
+    check_policy_options(cfg)
     return cfg
 
 
@@ -376,3 +291,22 @@ def check_backend_options(cfg: ExperimentConfig) -> None:
     options_cls = getattr(backend_cls, "Config", None)
     if options_cls is not None:
         build(options_cls, cfg.env.options, "env.options")
+
+
+def check_policy_options(cfg: ExperimentConfig) -> None:
+    """Validate ``policy.options`` with the in-process policy's own ``Config`` dataclass."""
+    policy = cfg.policy
+    if policy.kind not in POLICIES:  # inference servers and external clients take no options
+        if policy.options:
+            raise ConfigError(
+                f"policy.options: policy.kind {policy.kind!r} takes no options, got {sorted(policy.options)}"
+            )
+        return
+    options_cls = getattr(resolve(POLICIES, policy.kind, "policy"), "Config", None)
+    if options_cls is None:
+        if policy.options:
+            raise ConfigError(
+                f"policy.options: policy {policy.kind!r} takes no options, got {sorted(policy.options)}"
+            )
+        return
+    build(options_cls, policy.options, "policy.options")

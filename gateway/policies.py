@@ -97,7 +97,7 @@ class ZeroPolicy(Policy):
 
 def make_policy(kind: str, spec: EnvSpec, options: dict[str, Any] | None = None, *, seed: int = 0) -> Policy:
     """Build the in-process policy registered as ``kind`` with validated options."""
-    from gateway.config import build
+    from gateway.factory import build
     from gateway.registry import POLICIES, resolve
 
     cls: type[Policy] = resolve(POLICIES, kind, "policy")

@@ -7,10 +7,7 @@ asks for them, through :func:`resolve`. Adding a backend is one line in one dict
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 BACKENDS: dict[str, str] = {
     "mujoco_reach": "sim_bridges.mujoco:MujocoReachBackend",
@@ -53,19 +50,6 @@ def resolve(table: dict[str, str], name: str, what: str) -> Any:
     return getattr(module, attr)
 
 
-def make_backend(name: str, *, num_envs: int, seed: int = 0, options: dict[str, Any] | None = None) -> Any:
-    """Build the episode backend registered as ``name`` with validated options.
-
-    Every backend class has a ``Config`` dataclass for its options and the constructor
-    ``Backend(config, *, num_envs, seed)``.
-    """
-    from gateway.config import build
-
-    cls = resolve(BACKENDS, name, "backend")
-    config = build(cls.Config, options or {}, "env.options")
-    return cls(config, num_envs=num_envs, seed=seed)
-
-
 SOURCES: dict[str, str] = {
     "inference": "inference.client:InferenceSource",
 }
@@ -77,41 +61,6 @@ SINKS: dict[str, str] = {
 }
 """Trajectory sinks by config block that enables them (e.g. ``replay``); the local
 episode store is the default."""
-
-
-def experiment_spec(backend: str, options: dict[str, Any] | None = None) -> Any:
-    """The :class:`~gateway.episode.EnvSpec` a config's env block produces.
-
-    Uses the backend's ``spec_for(config)`` class method when it has one (no simulator
-    started); otherwise builds a one-env backend and reads its spec.
-    """
-    from gateway.config import ConfigError, build
-
-    what = f"env.backend {backend!r}" + (f" (id {options['id']!r})" if options and "id" in options else "")
-    try:
-        cls = resolve(BACKENDS, backend, "backend")
-    except ImportError as exc:
-        raise ConfigError(f"{what} cannot be imported: {missing_package(exc)}") from None
-    config = build(cls.Config, options or {}, "env.options")
-    try:
-        if hasattr(cls, "spec_for"):
-            return cls.spec_for(config)
-        instance = cls(config, num_envs=1, seed=0)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        # A third-party env can fail to build in any way; the user gets one line naming
-        # it (the traceback is in the debug log), before any process starts.
-        log.debug("building %s failed", what, exc_info=True)
-        cause: BaseException | None = exc
-        while cause is not None and not isinstance(cause, ImportError):
-            cause = cause.__cause__ or cause.__context__
-        reason = missing_package(cause) if cause is not None else f"{type(exc).__name__}: {exc}"
-        raise ConfigError(f"{what} cannot be built: {reason}") from None
-    try:
-        return instance.spec
-    finally:
-        instance.close()
 
 
 INSTALL_HINTS: dict[str, str] = {

@@ -35,6 +35,7 @@ import zmq
 
 from gateway import lifeline
 from gateway.config import ConfigError, ExperimentConfig, load_config
+from gateway.factory import experiment_spec
 from gateway.live import LiveView
 from gateway.metrics import Histogram, MetricsWriter
 from gateway.protocol import Message, MsgType, RemoteError, Timeout, raise_for_error, recv, send
@@ -44,7 +45,6 @@ from gateway.registry import (
     PREFLIGHT,
     STORE_READERS,
     SUMMARY_HOOKS,
-    experiment_spec,
     resolve,
 )
 from gateway.services import RunContext, Service

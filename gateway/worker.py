@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from gateway.config import ConfigError, load_config
-    from gateway.registry import make_backend
+    from gateway.factory import make_backend
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_server(args: argparse.Namespace) -> InferenceServer:
     from gateway.config import load_config
-    from gateway.registry import experiment_spec
+    from gateway.factory import experiment_spec
     from inference.services import replica_addresses
 
     cfg = load_config(args.config, args.set)

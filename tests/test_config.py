@@ -56,6 +56,9 @@ def test_round_trip_through_dump(tmp_path):
         ({"env": {"options": {"success_radius": -1.0}}}, "env.options.success_radius"),
         ({"env": ["not", "a", "map"]}, "env: must be a mapping"),
         ({"trainer": {"batch_size": -1}}, "trainer.batch_size must be >= 1, got -1"),
+        ({"policy": {"kind": "reach_pd", "options": {"gian": 2.0}}}, "policy.options: unknown key(s) gian"),
+        ({"policy": {"kind": "random", "options": {"scale": 2.0}}}, "policy.options"),
+        ({"policy": {"kind": "external", "options": {"gain": 1}}}, "policy.kind 'external' takes no options"),
         ({"trainer": {"eval_every": -5}}, "trainer.eval_every must be >= 0 (0: no periodic evaluation)"),
     ],
 )
@@ -83,7 +86,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 def test_gymnasiums_own_mujoco_tasks_build_out_of_the_box():
     """``gymnasium[mujoco]`` is a dependency: Reacher-v5 renders through imageio."""
-    from gateway.registry import experiment_spec
+    from gateway.factory import experiment_spec
 
     spec = experiment_spec("gymnasium", {"id": "Reacher-v5"})
     assert spec.action.shape == (2,)

@@ -251,7 +251,7 @@ def test_a_step_completed_after_the_drain_is_neither_recorded_nor_acknowledged(g
     import time
 
     from gateway import steps as step_info
-    from gateway.registry import experiment_spec
+    from gateway.factory import experiment_spec
 
     run = gateway_run()
     spec = experiment_spec("mujoco_reach", {})

@@ -19,11 +19,11 @@ import zmq
 
 from gateway import steps
 from gateway.config import GatewayConfig
+from gateway.factory import experiment_spec, make_backend
 from gateway.hub import Gateway
 from gateway.policies import InProcessSource, make_policy
 from gateway.protocol import Message, MsgType, pack, recv, send
 from gateway.recorder import Recorder
-from gateway.registry import experiment_spec, make_backend
 from gateway.store import EpisodeStore, StoreSink
 from tests.conformance.episode_backend import EpisodeBackendConformance
 from tests.conftest import wait_for

@@ -11,7 +11,7 @@ import torch
 
 from gateway.config import ConfigError, from_dict
 from gateway.episode import ActionSpec, ArraySpec, EnvSpec
-from gateway.registry import experiment_spec
+from gateway.factory import experiment_spec
 from inference.backends import OrtBackend, TorchBackend
 from inference.config import InferenceConfig
 from inference.weights import (

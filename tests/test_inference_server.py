@@ -17,8 +17,8 @@ import pytest
 import yaml
 import zmq
 
+from gateway.factory import experiment_spec
 from gateway.protocol import Message, MsgType, RemoteError, pack, recv, send
-from gateway.registry import experiment_spec
 from inference.weights import WeightsPublisher, transfer_messages
 from networks.modules import NetworkConfig, export_onnx, make_actor, state_dict_numpy
 from tests.conftest import REPO, wait_for

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from gateway.episode import EpisodeBackend
-from gateway.registry import make_backend
+from gateway.factory import make_backend
 from robots.testing import DomainLease, emulator_argv, read_record, ros2_available, ros_env
 from tests.conformance.episode_backend import EpisodeBackendConformance
 from tests.conftest import Procs, wait_for

@@ -192,7 +192,7 @@ def test_topic_map_naming_a_missing_joint_fails_at_start_up(robot, backends, dom
 
 
 def test_a_namespace_count_other_than_num_envs_is_a_config_error(domain) -> None:
-    from gateway.registry import make_backend
+    from gateway.factory import make_backend
 
     with pytest.raises(ValueError, match="namespaces"):
         make_backend("ros2", num_envs=2, options={"namespaces": ["/a"], "domain_id": domain})

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from gateway.config import ConfigError, build, load_config
-from gateway.registry import experiment_spec
+from gateway.factory import experiment_spec
 from robots.ros2_config import Ros2Config
 from robots.safety import CommandLimits, EstopLatch, SafetyConfig, Watchdog
 from robots.sources import Entry, JointStateConverter, TopicMapMismatch, align, image_array

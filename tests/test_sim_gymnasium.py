@@ -11,7 +11,7 @@ from gymnasium import spaces
 
 from gateway.config import ConfigError
 from gateway.episode import ArraySpec, EpisodeBackend
-from gateway.registry import make_backend
+from gateway.factory import make_backend
 from sim_bridges.gymnasium import action_spec, observation_specs
 from tests.conformance.episode_backend import EpisodeBackendConformance
 

@@ -17,8 +17,8 @@ from gymnasium.utils.env_checker import check_env
 import sim_bridges.mujoco as reach_mujoco
 from gateway.config import ConfigError
 from gateway.episode import EpisodeBackend
+from gateway.factory import make_backend
 from gateway.policies import make_policy
-from gateway.registry import make_backend
 from sim_bridges.reach import ReachTask
 from sim_bridges.rendering import import_mujoco
 from tests.conformance.episode_backend import EpisodeBackendConformance
@@ -262,7 +262,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_camera_works_without_mujoco_gl_set() -> None:
     result = _python(
         "import os\n"
-        "from gateway.registry import make_backend\n"
+        "from gateway.factory import make_backend\n"
         "b = make_backend('mujoco_reach', num_envs=1, options={'camera': True, 'image_width': 8, 'image_height': 8})\n"
         "obs, _ = b.reset(seed=0)\n"
         "print(os.environ['MUJOCO_GL'], obs['image'].shape)\n"
@@ -274,7 +274,7 @@ def test_camera_works_without_mujoco_gl_set() -> None:
 @pytest.mark.unit
 def test_unusable_gl_platform_is_reported_with_what_to_install() -> None:
     result = _python(
-        "from gateway.registry import make_backend\n"
+        "from gateway.factory import make_backend\n"
         "from sim_bridges.rendering import RenderingUnavailable\n"
         "try:\n"
         "    make_backend('mujoco_reach', num_envs=1, options={'camera': True})\n"

@@ -16,11 +16,12 @@ from typing import Any
 
 from gateway.config import ExperimentConfig, load_config
 from gateway.episode import EnvSpec
+from gateway.factory import experiment_spec
 from gateway.hub.core import Gateway
 from gateway.metrics import MetricsWriter
 from gateway.policies import ActionSource, InProcessSource, make_policy
 from gateway.recorder import Recorder
-from gateway.registry import SINKS, SOURCES, experiment_spec, resolve
+from gateway.registry import SINKS, SOURCES, resolve
 from gateway.store import EpisodeStore, StoreSink, TrajectorySink
 from gateway.transport import CurveKeys, endpoint
 
