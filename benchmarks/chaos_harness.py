@@ -315,6 +315,9 @@ class Harness:
         except TimeoutError as exc:
             rec.note = f"did not recover: {exc}"
             self.problems.append(f"{kind} ({rec.target}): {rec.note}")
+        except OSError as exc:  # the harness itself could not do it (e.g. a disk full before)
+            rec.note = f"not injected: {exc}"
+            self.problems.append(f"{kind} ({rec.target}): {rec.note}")
         if not kind.startswith("kill."):
             # A fault that kills nothing must not make anything crash: a restarted
             # service here is one that died of a full disk, a frozen peer or bad input.
@@ -451,7 +454,7 @@ class Harness:
         disk = self.disks[where]
         rec.target = f"{where}/ ({disk.free_bytes() >> 20} MiB free)"
         rec.held_s = round(self.rng.uniform(4.0, 8.0), 1)
-        disk.fill()
+        rec.detail["filled_mib"] = disk.fill() >> 20
         t_full = time.monotonic()
         held, reason = None, None
         while time.monotonic() - t_full < rec.held_s:

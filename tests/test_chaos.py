@@ -175,6 +175,43 @@ def test_a_killed_trainer_rank_is_restarted_and_publication_never_goes_back(tmp_
     assert report["check"]["trainer_version"] > 0
 
 
+STALE_SERVER = (
+    "a restarted inference server serves its initial weights (version 0) until the "
+    "trainer's next publication, so steps acted on after the restart carry a version "
+    "below the ones before it"
+)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(420)
+@pytest.mark.xfail(reason=STALE_SERVER, strict=True)
+def test_a_restarted_inference_server_never_acts_with_an_older_policy(tmp_path):
+    """One replica, publications 200 updates apart: after the kill, every action until
+    the next publication comes from the restarted server."""
+    trainer = {
+        "enabled": True,
+        "nproc": 1,
+        "batch_size": 32,
+        "publish_every": 200,
+        "checkpoint_every": 1000,
+        "eval_every": 0,
+        "final_eval_episodes": 2,
+        "max_updates": None,
+        "mode": "async",
+        "max_policy_lag": 1000,
+    }
+    table = {"name": "online", "gamma": 0.95, "min_size_to_sample": 200, "samples_per_insert": None}
+    config = experiment(
+        tmp_path, inference=True, trainer=trainer, replay={"enabled": True, "tables": [table]}
+    )
+    cfg = yaml.safe_load(config.read_text())
+    cfg["inference"]["replicas"] = 1
+    config.write_text(yaml.safe_dump(cfg))
+    report = chaos(tmp_path, config, ["kill.inference"], seed=18)
+    assert report["check"]["trainer_version"] > 0
+    assert report["check"]["stored_version_regressions"] == 0, report["problems"]
+
+
 # ------------------------------------------------------------------ the harness itself
 
 
