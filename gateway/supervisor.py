@@ -31,14 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from gateway import lifeline
 from gateway.config import ConfigError, ExperimentConfig, load_config
+from gateway.control_client import ControlClient
 from gateway.factory import experiment_spec
 from gateway.live import LiveView
 from gateway.metrics import Histogram, MetricsWriter
-from gateway.protocol import Message, MsgType, RemoteError, Timeout, raise_for_error, recv, send
+from gateway.protocol import RemoteError, Timeout
 from gateway.registry import (
     FINALIZERS,
     PLANS,
@@ -50,7 +49,7 @@ from gateway.registry import (
 from gateway.services import RunContext, Service
 from gateway.store import EpisodeStore
 from gateway.trajectory import StoreCount
-from gateway.transport import CurveKeys, connect, make_socket
+from gateway.transport import CurveKeys
 
 log = logging.getLogger("loopgate.up")
 
@@ -69,39 +68,6 @@ def describe_exit(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(-code).name}"
     return str(code)
-
-
-class ControlClient:
-    """Request/reply over a gateway's control socket, with deadlines."""
-
-    def __init__(self, address: str, keys: CurveKeys | None = None) -> None:
-        self._ctx: zmq.Context[Any] = zmq.Context.instance()
-        self.address, self.keys = address, keys
-        self._sock: zmq.Socket[Any] | None = None
-        self._seq = 0
-
-    def request(self, cmd: str, timeout_s: float = 2.0, **meta: Any) -> dict[str, Any]:
-        if self._sock is None:
-            self._sock = make_socket(self._ctx, zmq.DEALER)
-            connect(self._sock, self.address, self.keys)
-        self._seq += 1
-        send(self._sock, Message(MsgType.COMMAND, seq=self._seq, meta={"cmd": cmd, **meta}))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(int(remaining * 1000)):
-                # Drop the socket so a late answer cannot be taken for the next one.
-                self._sock.close(linger=0)
-                self._sock = None
-                raise Timeout(f"{cmd}: no answer from {self.address} within {timeout_s} s")
-            reply = recv(self._sock)
-            if reply.seq == self._seq:
-                return raise_for_error(reply).meta
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
 
 
 @dataclass

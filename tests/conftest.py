@@ -133,7 +133,7 @@ class GatewayRun:
         self.control: Any = None
 
     def start(self) -> GatewayRun:
-        from gateway.supervisor import ControlClient
+        from gateway.control_client import ControlClient
 
         self.proc = self.procs.spawn(
             "-m",

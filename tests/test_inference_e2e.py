@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from gateway.config import load_config
+from gateway.control_client import ControlClient
 from gateway.store import EpisodeStore
-from gateway.supervisor import ControlClient, prepare_run
+from gateway.supervisor import prepare_run
 from tests.conftest import log_of, loopgate, wait_for, write_config
 
 pytestmark = pytest.mark.e2e

@@ -48,7 +48,7 @@ def up(path: Path, run: Path, *extra: str) -> subprocess.Popen[str]:
 
 def clients_address(run: Path) -> str:
     """The run's client endpoint, once its workers are registered."""
-    from gateway.supervisor import ControlClient
+    from gateway.control_client import ControlClient
 
     endpoints = run / "endpoints.json"
     wait_for(lambda: endpoints.exists(), timeout=60, what="endpoints.json")

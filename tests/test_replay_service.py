@@ -19,8 +19,8 @@ import pytest
 import yaml
 import zmq
 
+from gateway.control_client import ControlClient
 from gateway.protocol import Message, MsgType, recv, send
-from gateway.supervisor import ControlClient
 from gateway.trajectory import count_chunks
 from tests.conftest import Procs, log_of, loopgate, wait_for
 from tests.test_replay_tables import episode_chunks

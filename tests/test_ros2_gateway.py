@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.supervisor import ControlClient
+from gateway.control_client import ControlClient
 from tests.conftest import wait_for
 from tests.test_ros2_backend import (  # noqa: F401 - fixtures
     WHY_NOT,

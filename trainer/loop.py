@@ -97,7 +97,7 @@ class Trainer:
         self.control: Any = None
         self.publisher: Publisher | None = None
         if world.is_main:
-            from gateway.supervisor import ControlClient
+            from gateway.control_client import ControlClient
 
             self.control = ControlClient(endpoints["gateway"]["control"])
             targets = endpoints.get("inference", []) if cfg.inference.enabled else []
@@ -339,7 +339,7 @@ class Trainer:
     def collection_over(self) -> bool:
         """Any rank, while it waits for data: the gateway will record no more steps (its
         budget is spent outside sync mode, where the trainer raises it, or it drains)."""
-        from gateway.supervisor import ControlClient
+        from gateway.control_client import ControlClient
 
         gateway = self.endpoints.get("gateway", {}).get("control")
         if gateway is None:
@@ -359,7 +359,7 @@ class Trainer:
         replay tables' update-to-data ratio."""
         if not (self.world.is_main or any_rank):
             return
-        from gateway.supervisor import ControlClient
+        from gateway.control_client import ControlClient
 
         client = ControlClient(self.endpoints["replay"]["control"])
         try:
@@ -410,7 +410,7 @@ class _Lagged:
     """The publisher's line to the gateway: each new version, with the lag bound of async mode."""
 
     def __init__(self, address: str, tc: Any) -> None:
-        from gateway.supervisor import ControlClient
+        from gateway.control_client import ControlClient
 
         self.client = ControlClient(address)
         self.max_lag = tc.max_policy_lag if tc.mode != "sync" else None

@@ -25,17 +25,15 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gateway.trajectory import Episode, assemble_episodes
+from trainer.replay.export_mcap import ProgressFn
 from trainer.replay.log import run_chunks
 
 log = logging.getLogger(__name__)
 
-ProgressFn = Callable[[str, int, int], None]
-"""``progress(phase, done, total)``, called by the writers as work gets done."""
 LOG_EVERY_S = 5.0
 
 

@@ -35,11 +35,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gateway.trajectory import Episode
-from trainer.replay.export_mcap import is_camera
+from trainer.replay.export_mcap import ProgressFn, is_camera
 from trainer.replay.export_stats import Stats, aggregate_stats, feature_stats, image_stats, to_json
 
 if TYPE_CHECKING:
-    from trainer.replay.export import ProgressFn
     from trainer.replay.export_video import VideoEncoder
 
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from gateway.trajectory import Episode
 
-if TYPE_CHECKING:
-    from trainer.replay.export import ProgressFn
+ProgressFn = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``, called by the writers (MCAP, LeRobot) as work gets done."""
 
 RosMessage = tuple[str, str, dict[str, Any]]
 """``(topic within an env namespace, message type, message)``."""
