@@ -1,8 +1,8 @@
 """Typed experiment configs, loaded from one YAML file per experiment.
 
 An experiment config has one top-level block per part of the system (``env``,
-``policy``, ``gateway``, ``run``, and the blocks the inference, replay, trainer and
-console parts register in :data:`gateway.registry.CONFIG_BLOCKS`). Each block is a
+``policy``, ``gateway``, ``run``, and the blocks the inference, replay and trainer
+parts register in :data:`gateway.registry.CONFIG_BLOCKS`). Each block is a
 frozen, keyword-only dataclass validated in ``__post_init__``; every error names the
 field and the bad value::
 
@@ -98,7 +98,7 @@ class GatewayConfig:
     client_port: int = 0
     """Port ``gateway.client`` envs connect to; 0 picks a free one."""
     control_port: int = 0
-    """Port for status and commands (CLI, console); 0 picks a free one."""
+    """Port for status and commands (the CLI, the trainer, scripts); 0 picks a free one."""
     curve_keys: str | None = None
     """Folder made by ``loopgate keys``; enables CURVE authentication on every socket."""
     chunk_steps: int = 64
@@ -193,10 +193,6 @@ class ExperimentConfig:
 
     def has(self, block: str) -> bool:
         return block in self._blocks
-
-    @property
-    def blocks(self) -> dict[str, Any]:
-        return dict(self._blocks)
 
     def to_dict(self) -> dict[str, Any]:
         return {name: to_plain(block) for name, block in self._blocks.items()}

@@ -1,6 +1,6 @@
 """The gateway's control socket from the outside: request/reply with deadlines.
 
-The supervisor, the trainer, the console and scripts use it::
+The supervisor, the trainer and scripts use it::
 
     control = ControlClient(endpoints["gateway"]["control"])
     status = control.request("status", timeout_s=2.0)

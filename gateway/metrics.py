@@ -40,10 +40,6 @@ class Histogram:
         self.total += value
         self.max = max(self.max, value)
 
-    def add_many(self, values: Any) -> None:
-        for value in np.asarray(values, dtype=np.float64).ravel():
-            self.add(float(value))
-
     def merge(self, other: Histogram) -> None:
         self.counts.update(other.counts)
         self.n += other.n

@@ -3,7 +3,7 @@
 Each part of loopgate contributes its processes through a plan function registered in
 :data:`gateway.registry.PLANS` (``"module:function"``, imported only when the config has that part):
 ``plan(cfg, run) -> list[Service]``. The core plans the gateway and the env workers;
-the inference, replay, trainer and console parts add theirs. A plan may also add
+the inference, replay and trainer parts add theirs. A plan may also add
 addresses to ``run.endpoints`` (written to ``endpoints.json`` before anything starts,
 so a restarted process binds the same address and its peers find it again).
 """

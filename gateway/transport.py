@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,13 +95,6 @@ def _ensure_authenticator(ctx: zmq.Context[Any], keys: CurveKeys) -> None:
     _authenticators[key] = auth
 
 
-def stop_authenticators() -> None:
-    """Stop authenticator threads (before terminating their contexts)."""
-    for auth in _authenticators.values():
-        auth.stop()
-    _authenticators.clear()
-
-
 def make_socket(
     ctx: zmq.Context[Any], kind: int, *, sndhwm: int = 1000, rcvhwm: int = 1000
 ) -> zmq.Socket[Any]:
@@ -165,16 +157,3 @@ def recv_within(sock: zmq.Socket[Any], timeout_s: float, limits: Limits | None =
     if not sock.poll(int(max(timeout_s, 0) * 1000)):
         raise Timeout(f"no answer within {timeout_s:.3g} s")
     return recv(sock, limits or Limits())
-
-
-class Deadline:
-    """A point on the monotonic clock (``time.monotonic``), for loops with timeouts."""
-
-    def __init__(self, seconds: float) -> None:
-        self.at = time.monotonic() + seconds
-
-    def remaining(self) -> float:
-        return max(0.0, self.at - time.monotonic())
-
-    def expired(self) -> bool:
-        return time.monotonic() >= self.at

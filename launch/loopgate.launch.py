@@ -9,7 +9,7 @@ Launch arguments are the options of ``loopgate up`` (``config``, ``run_dir``,
 ``max_env_steps``, ``set``, ``log_level``). Each planned service becomes its own
 process, started with the same ``python -m`` entry point and arguments ``loopgate up``
 uses: the gateway, the env workers (the ``ros2`` backend drives the robots), and the
-inference, replay, trainer and console services the config enables; launch respawns
+inference, replay and trainer services the config enables; launch respawns
 the ones ``loopgate up`` would restart. ``supervised:=true`` starts ``loopgate up``
 itself instead, which adds the step budget, the drain on shutdown and ``summary.json``.
 

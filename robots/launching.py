@@ -4,8 +4,8 @@ The launch files start the same ``python -m`` entry points the ``loopgate`` CLI 
 with the same arguments: their launch arguments are the CLI's options (read from each
 entry point's ``build_parser()``), and the experiment's processes are the ones
 ``loopgate up`` would start (:func:`gateway.supervisor.prepare_run` plans them from
-the config: gateway, env workers, and the inference, replay, trainer and console
-services the config enables). Keeping this here lets tests check the processes and
+the config: gateway, env workers, and the inference, replay and trainer services
+the config enables). Keeping this here lets tests check the processes and
 their arguments on machines where ``ros2 launch`` is not installed::
 
     args = launch_arguments(gateway.supervisor.build_parser())   # [LaunchArgument, ...]

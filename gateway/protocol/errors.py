@@ -38,8 +38,6 @@ class ErrorCode(str, Enum):
     """A worker's env spec differs from the experiment's."""
     NOT_REGISTERED = "not_registered"
     """The peer sent data before a successful HELLO."""
-    UNKNOWN_BACKEND = "unknown_backend"
-    """A registry lookup named a backend that does not exist."""
     DEADLINE_EXCEEDED = "deadline_exceeded"
     """The request's deadline passed before an answer was ready."""
     BAD_WEIGHTS = "bad_weights"

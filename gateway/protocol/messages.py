@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
 PROTOCOL_VERSION = 1
@@ -90,8 +89,3 @@ def unpack(prefix: str, arrays: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt
 def error_message(code: str, message: str, ref: int = 0) -> Message:
     """An ``ERROR`` message answering the message whose seq is ``ref``."""
     return Message(MsgType.ERROR, seq=ref, meta={"code": code, "message": message, "ref": ref})
-
-
-def as_array(value: Any, dtype: npt.DTypeLike) -> npt.NDArray[Any]:
-    """``np.asarray`` with a dtype, for building messages from Python values."""
-    return np.asarray(value, dtype=dtype)
