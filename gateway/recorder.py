@@ -36,7 +36,7 @@ import numpy as np
 from gateway.protocol import Message, MsgType, pack, unpack
 from gateway.segment_log import FsyncPolicy, SegmentLog
 from gateway.store import TrajectorySink
-from gateway.trajectory import STEP_FIELDS, StepRows
+from gateway.trajectory import StepRows, Transitions
 
 log = logging.getLogger(__name__)
 
@@ -94,64 +94,46 @@ class Recorder:
             spool_dir, fsync=fsync, fsync_interval_s=fsync_interval_s, segment_bytes=1 << 62
         )
         self._ready: list[Message] = []
-        self._pending: list[tuple[Mapping[str, Any], Mapping[str, np.ndarray], int]] = []
+        self._pending: list[tuple[Mapping[str, Any], Transitions, int]] = []
         self._cutting = True
 
     # ------------------------------------------------------------------ record
 
     def record(
-        self,
-        *,
-        worker: str,
-        task: str,
-        episodes: list[str],
-        envs: np.ndarray,
-        obs: Mapping[str, np.ndarray],
-        action: np.ndarray,
-        scalars: Mapping[str, np.ndarray],
-        eval_flags: list[bool] | None = None,
+        self, steps: Transitions, *, worker: str, task: str, eval_flags: list[bool] | None = None
     ) -> int:
-        """Spool a batch of transitions (row ``i`` belongs to ``episodes[i]``).
+        """Spool a batch of transitions of ``worker`` (evaluation rows flagged in ``eval_flags``).
 
         Returns the number of new steps; re-sent ones are skipped. When this returns the
         steps are durable against this process dying (see ``SegmentLog.append``).
         """
         self.apply_pending()  # deduplication below needs every earlier record applied
-        steps = np.asarray(scalars["step"], dtype=np.int64)
-        keep = [i for i, ep in enumerate(episodes) if not self._is_duplicate(ep, int(steps[i]))]
-        self.counters.duplicate_resends += len(episodes) - len(keep)
+        index = steps.columns["step"]
+        keep = [i for i, ep in enumerate(steps.episodes) if not self._is_duplicate(ep, int(index[i]))]
+        self.counters.duplicate_resends += len(steps) - len(keep)
         if not keep:
             return 0
-        if len(keep) != len(episodes):
-            idx = np.asarray(keep)
-            episodes = [episodes[i] for i in keep]
-            envs, action = envs[idx], action[idx]
-            obs = {k: v[idx] for k, v in obs.items()}
-            scalars = {k: np.asarray(v)[idx] for k, v in scalars.items()}
+        if len(keep) != len(steps):
+            steps = steps.select(keep)
             eval_flags = [eval_flags[i] for i in keep] if eval_flags else None
-        # The per-step scalars travel as one float64 column block: one frame, not eight.
-        packed = np.empty((len(episodes), len(STEP_FIELDS)), dtype=np.float64)
-        for j, key in enumerate(STEP_FIELDS):
-            packed[:, j] = scalars[key]
-        arrays = {**pack("obs", obs), "action": action, "env": np.asarray(envs, np.int64), "scalars": packed}
         meta = {
             "kind": "steps",
             "worker": worker,
             "task": task,
-            "episodes": episodes,
+            "episodes": steps.episodes,
             "eval": eval_flags or [],
         }
-        pos = self._append(Message(MsgType.TRAJECTORY_CHUNK, meta=meta, arrays=arrays))
+        pos = self._append(Message(MsgType.TRAJECTORY_CHUNK, meta=meta, arrays=steps.spool_arrays()))
         # Chunking is bookkeeping in memory: the caller may acknowledge first and apply
         # afterwards (apply_pending), keeping it out of the observation->action path.
-        self._pending.append((meta, arrays, pos.segment))
-        return len(episodes)
+        self._pending.append((meta, steps, pos.segment))
+        return len(steps)
 
     def apply_pending(self) -> None:
         """Fold spooled but not yet applied step records into the open episodes."""
         while self._pending:
-            meta, arrays, segment = self._pending.pop(0)
-            self._apply_steps(meta, arrays, segment)
+            meta, steps, segment = self._pending.pop(0)
+            self._apply_steps(meta, steps, segment)
 
     def _is_duplicate(self, episode: str, step: int) -> bool:
         if episode in self.closed:
@@ -159,30 +141,24 @@ class Recorder:
         ep = self.open.get(episode)
         return ep is not None and step < ep.next_step
 
-    def _apply_steps(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray], segment: int) -> None:
-        obs = unpack("obs", arrays)
-        episodes: list[str] = meta["episodes"]
-        packed = arrays["scalars"]
-        columns = {key: packed[:, j].astype(dt) for j, (key, dt) in enumerate(STEP_FIELDS.items())}
-        eval_flags = meta.get("eval") or [False] * len(episodes)
-        for i, episode in enumerate(episodes):
-            step = int(columns["step"][i])
+    def _apply_steps(self, meta: Mapping[str, Any], steps: Transitions, segment: int) -> None:
+        eval_flags = meta.get("eval") or [False] * len(steps)
+        index = steps.columns["step"]
+        for i, episode in enumerate(steps.episodes):
+            step = int(index[i])
             if self._is_duplicate(episode, step):
                 continue
             ep = self.open.get(episode)
             if ep is None:
                 rows = StepRows(
-                    episode, meta["worker"], int(arrays["env"][i]), meta["task"], bool(eval_flags[i])
+                    episode, meta["worker"], int(steps.envs[i]), meta["task"], bool(eval_flags[i])
                 )
                 ep = self.open[episode] = OpenEpisode(rows, next_step=step)
             block = step // self.chunk_steps
             if self._cutting and len(ep.rows) and block != ep.rows.first_step // self.chunk_steps:
                 self._cut(ep, len(ep.rows))
-            ep.rows.add(
-                {k: v[i] for k, v in obs.items()},
-                arrays["action"][i],
-                **{k: columns[k][i] for k in STEP_FIELDS},
-            )
+            obs, action, scalars = steps.row(i)
+            ep.rows.add(obs, action, **scalars)
             ep.segments.append(segment)
             ep.next_step = step + 1
             self._seg_unacked[segment] += 1
@@ -326,7 +302,9 @@ class Recorder:
                         setattr(self.counters, k, int(v))
             elif kind == "steps":
                 arrays = {k: np.array(v) for k, v in msg.arrays.items()}
-                self._apply_steps_recovering(msg.meta, arrays, pos.segment)
+                self._apply_steps_recovering(
+                    msg.meta, Transitions.from_spool(msg.meta["episodes"], arrays), pos.segment
+                )
             elif kind == "end":
                 final = unpack("final_obs", msg.arrays)
                 pending_ends[msg.meta["episode"]] = (
@@ -372,18 +350,16 @@ class Recorder:
         log.info("spool recovered: %s", summary)
         return summary
 
-    def _apply_steps_recovering(
-        self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray], segment: int
-    ) -> None:
+    def _apply_steps_recovering(self, meta: Mapping[str, Any], steps: Transitions, segment: int) -> None:
         # A snapshot placeholder (no worker yet) takes the worker, env and task of its
         # first step record; episodes keep counting from the snapshot's next_step.
-        for i, episode in enumerate(meta["episodes"]):
+        for i, episode in enumerate(steps.episodes):
             ep = self.open.get(episode)
             if ep is not None and not ep.rows.worker:
-                ep.rows = StepRows(episode, meta["worker"], int(arrays["env"][i]), meta["task"])
+                ep.rows = StepRows(episode, meta["worker"], int(steps.envs[i]), meta["task"])
         self._cutting = False  # cut after acks are applied, not while replaying
         try:
-            self._apply_steps(meta, arrays, segment)
+            self._apply_steps(meta, steps, segment)
         finally:
             self._cutting = True
 

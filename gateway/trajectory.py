@@ -48,8 +48,83 @@ STEP_FIELDS: dict[str, str] = {
 END_REASONS = ("terminated", "truncated", "interrupted")
 
 
+def episode_id(worker: str, env: int, episode: int) -> str:
+    """The id of ``worker``'s ``episode``-th episode in env ``env``: ``"<worker>-<env>-<n>"``."""
+    return f"{worker}-{env}-{episode}"
+
+
 def chunk_id(episode_id: str, first_step: int) -> str:
     return f"{episode_id}:{first_step}"
+
+
+@dataclass
+class Transitions:
+    """Recorded steps as columns, one row per step: the one step type of the data path.
+
+    The gateway assembles them from a worker's observation (the step each row completes:
+    its observation, action and ids, from the worker's ``prev/*`` arrays or from what the
+    gateway sent, plus the outcome in ``step_info``), writes them to its spool as one
+    record, and folds them into per-episode :class:`StepRows` that become chunks::
+
+        t = Transitions(episodes, envs, obs, action, columns)   # columns: STEP_FIELDS
+        record = t.spool_arrays()            # obs/*, action, env, scalars f64[n, 8]
+        again = Transitions.from_spool(episodes, record)
+    """
+
+    episodes: list[str]
+    """Episode id of each row (:func:`episode_id`)."""
+    envs: np.ndarray
+    """int64[n]: the env index within its worker."""
+    obs: dict[str, np.ndarray]
+    """Observation the action was taken in, by key, [n, ...]."""
+    action: np.ndarray
+    """[n, ...]"""
+    columns: dict[str, np.ndarray]
+    """The per-step scalars of :data:`STEP_FIELDS`, each [n]."""
+
+    def __len__(self) -> int:
+        return len(self.episodes)
+
+    def select(self, rows: Sequence[int]) -> Transitions:
+        """The given rows only."""
+        idx = np.asarray(rows, dtype=np.int64)
+        return Transitions(
+            [self.episodes[i] for i in rows],
+            self.envs[idx],
+            {k: v[idx] for k, v in self.obs.items()},
+            self.action[idx],
+            {k: np.asarray(v)[idx] for k, v in self.columns.items()},
+        )
+
+    def row(self, i: int) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, Any]]:
+        """Row ``i`` as ``(obs, action, scalars)``, the arguments of :meth:`StepRows.add`."""
+        return (
+            {k: v[i] for k, v in self.obs.items()},
+            self.action[i],
+            {k: v[i] for k, v in self.columns.items()},
+        )
+
+    def spool_arrays(self) -> dict[str, np.ndarray]:
+        """As a spool record's arrays: the scalars travel as one float64 column block (one
+        frame, not eight; every value fits a float64 exactly)."""
+        packed = np.empty((len(self), len(STEP_FIELDS)), dtype=np.float64)
+        for j, key in enumerate(STEP_FIELDS):
+            packed[:, j] = self.columns[key]
+        return {
+            **pack("obs", self.obs),
+            "action": self.action,
+            "env": np.asarray(self.envs, np.int64),
+            "scalars": packed,
+        }
+
+    @classmethod
+    def from_spool(cls, episodes: list[str], arrays: Mapping[str, np.ndarray]) -> Transitions:
+        """Inverse of :meth:`spool_arrays`."""
+        packed = arrays["scalars"]
+        columns = {key: packed[:, j].astype(dt) for j, (key, dt) in enumerate(STEP_FIELDS.items())}
+        return cls(
+            list(episodes), np.asarray(arrays["env"]), unpack("obs", arrays), arrays["action"], columns
+        )
 
 
 @dataclass
@@ -73,6 +148,8 @@ class StepRows:
         return int(self.scalars["step"][0]) if self.action else -1
 
     def add(self, obs: Mapping[str, np.ndarray], action: np.ndarray, **scalars: Any) -> None:
+        """Append one step of this episode (``scalars``: every key of :data:`STEP_FIELDS`);
+        a row of :class:`Transitions` is ``rows.add(*steps.row(i))``."""
         for key, value in obs.items():
             self.obs.setdefault(key, []).append(value)
         self.action.append(action)

@@ -48,6 +48,7 @@ from gateway import lifeline, steps
 from gateway.episode import EpisodeBackend, Obs
 from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError, pack, recv, send
 from gateway.services import freeze_heap
+from gateway.trajectory import episode_id
 from gateway.transport import CurveKeys, connect, make_socket
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class EnvWorker:
         raise FatalWorkerError("stopped before the gateway answered")
 
     def episode_id(self, env: int) -> str:
-        return f"{self.uid}-{env}-{int(self._episode[env])}"
+        return episode_id(self.uid, env, int(self._episode[env]))
 
     # ------------------------------------------------------------------ messages
 

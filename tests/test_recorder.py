@@ -9,7 +9,7 @@ import pytest
 
 from gateway.recorder import Recorder
 from gateway.store import EpisodeStore, StoreSink
-from gateway.trajectory import assemble_episodes, validate_chunk
+from gateway.trajectory import Transitions, assemble_episodes, validate_chunk
 
 pytestmark = pytest.mark.unit
 
@@ -22,15 +22,14 @@ class SilentSink(StoreSink):
 
 
 def batch(step, episodes, worker="w1"):
+    """``Recorder.record``'s arguments for one step of each of ``episodes``."""
     n = len(episodes)
-    return dict(
-        worker=worker,
-        task="reach",
-        episodes=episodes,
+    steps = Transitions(
+        episodes=list(episodes),
         envs=np.arange(n),
         obs={"q": np.full((n, 3), step, np.float32)},
         action=np.full((n, 2), step, np.float32),
-        scalars=dict(
+        columns=dict(
             reward=np.full(n, -step, np.float32),
             terminated=np.zeros(n, bool),
             truncated=np.zeros(n, bool),
@@ -41,6 +40,7 @@ def batch(step, episodes, worker="w1"):
             step=np.full(n, step, np.int64),
         ),
     )
+    return dict(steps=steps, worker=worker, task="reach")
 
 
 def settle(rec, timeout_s=30.0):

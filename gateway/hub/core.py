@@ -53,6 +53,7 @@ from gateway.protocol import (
 )
 from gateway.recorder import Recorder
 from gateway.steps import StepInfo
+from gateway.trajectory import Transitions, episode_id
 from gateway.transport import CurveKeys, bind, make_socket
 
 log = logging.getLogger(__name__)
@@ -250,9 +251,9 @@ class Gateway:
         # sent before the drain) could not reach the store, so it is neither recorded nor
         # acknowledged, like one completed in an episode the drain closed.
         rows = np.flatnonzero(info.has_prev) if not self.state.draining else np.empty(0, np.int64)
-        prev = session.completed(msg, rows) if len(rows) else None
+        completed = session.completed(msg, info, rows) if len(rows) else None
         # Durable before any ACTION leaves: the ACTION acknowledges these steps.
-        written = self._spool(session, info, rows, prev) if prev is not None else 0
+        written = self._spool(session, completed) if completed is not None else 0
         old_episodes = session.pending_ids[0] if session.pending_ids is not None else None
         session.last_seq = msg.seq
         session.last_reply = None
@@ -263,31 +264,15 @@ class Gateway:
         session.acked_now = len(rows)
         self.route_observation(session, msg)
         # Bookkeeping after the ACTION left (in-process policies answer at once).
-        self._account(session, msg, info, rows, prev, old_episodes, written)
+        self._account(session, msg, info, completed, old_episodes, written)
 
-    def _spool(self, session: WorkerSession, info: StepInfo, rows: np.ndarray, prev: dict[str, Any]) -> int:
+    def _spool(self, session: WorkerSession, steps: Transitions) -> int:
         """Write the transitions this observation completes to the recorder's spool."""
-        scalars = {
-            "reward": info.reward[rows],
-            "terminated": info.terminated[rows],
-            "truncated": info.truncated[rows],
-            "success": info.success[rows],
-            "policy_version": prev["policy_version"],
-            "t_capture": prev["t_capture"],
-            "t_action": prev["t_action"],
-            "step": prev["step"],
-        }
-        uid = session.uid
-        prev["episodes"] = [f"{uid}-{r}-{e}" for r, e in zip(rows.tolist(), prev["episode"].tolist())]
-        eval_flags = self.evaluator.flags(uid, session.num_envs)[rows]
+        eval_flags = self.evaluator.flags(session.uid, session.num_envs)[steps.envs]
         return self.recorder.record(
-            worker=uid,
+            steps,
+            worker=session.uid,
             task=self.spec.name if self.spec else "",
-            episodes=prev["episodes"],
-            envs=rows,
-            obs=prev["obs"],
-            action=prev["action"],
-            scalars=scalars,
             eval_flags=eval_flags.tolist() if eval_flags.any() else None,
         )
 
@@ -296,8 +281,7 @@ class Gateway:
         session: WorkerSession,
         msg: Message,
         info: StepInfo,
-        rows: np.ndarray,
-        prev: dict[str, Any] | None,
+        completed: Transitions | None,
         old_episodes: np.ndarray | None,
         written: int,
     ) -> None:
@@ -305,9 +289,9 @@ class Gateway:
         self.recorder.apply_pending()
         terminated, truncated = info.terminated, info.truncated
         done = terminated | truncated
-        if prev is not None:
-            versions = np.asarray(prev["policy_version"])
-            self.lag.observe(versions, np.asarray(prev["t_action"]))
+        if completed is not None:
+            rows, versions = completed.envs, completed.columns["policy_version"]
+            self.lag.observe(versions, np.asarray(completed.columns["t_action"]))
             self.evaluator.steps(
                 session.uid,
                 rows,
@@ -323,7 +307,7 @@ class Gateway:
                     if done[r]:
                         reason = "terminated" if terminated[r] else "truncated"
                         fo = {k: v[r] for k, v in final.items()} if final else None
-                        self.recorder.end(prev["episodes"][j], reason, fo)
+                        self.recorder.end(completed.episodes[j], reason, fo)
             session.env_steps += written
             self.state.env_steps += written
         # Envs that start a new episode without finishing the old one (a reset) leave it
@@ -332,7 +316,7 @@ class Gateway:
         if fresh.any():
             for i in np.flatnonzero(fresh).tolist():
                 if old_episodes is not None and i < len(old_episodes):
-                    old = f"{session.uid}-{i}-{int(old_episodes[i])}"
+                    old = episode_id(session.uid, i, int(old_episodes[i]))
                     if old in self.recorder.open:
                         self.recorder.end(old, "interrupted")
                 self.evaluator.interrupted(session.uid, i)

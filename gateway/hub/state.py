@@ -23,6 +23,8 @@ import zmq
 from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
 from gateway.protocol import ErrorCode, Limits, Message, ProtocolError, unpack
+from gateway.steps import StepInfo
+from gateway.trajectory import Transitions, episode_id
 
 HOLD_MESSAGES = {
     "estop": "the e-stop is engaged; steps resume once it is released",
@@ -104,39 +106,42 @@ class WorkerSession:
     acked_now: int = 0
     """Steps the observation being answered stored (sent back in the ACTION's meta)."""
 
-    def completed(self, msg: Message, rows: np.ndarray) -> dict[str, Any]:
-        """Observation, action and ids of the step each row of ``msg`` completes: from the
-        message's ``prev/*`` arrays (a resend after a reconnect), else from what this
-        session sent last."""
+    def completed(self, msg: Message, info: StepInfo, rows: np.ndarray) -> Transitions:
+        """The steps rows ``rows`` of observation ``msg`` complete: observation, action and
+        ids from the message's ``prev/*`` arrays (a resend after a reconnect), else from
+        what this session sent last; the outcome from its ``step_info``."""
         a = msg.arrays
         if "prev/action" in a:
-            prev_obs = unpack("prev/obs", a)
-            return {
-                "obs": {k: v[rows] for k, v in prev_obs.items()},
-                "action": a["prev/action"][rows],
-                "policy_version": np.asarray(a["prev/policy_version"][rows], dtype=np.int64),
-                "t_action": a["prev/t_action"][rows],
-                "t_capture": a["prev/t_capture"][rows],
-                "episode": np.asarray(a["prev/episode"][rows], dtype=np.int64),
-                "step": a["prev/step"][rows],
-            }
-        if self.pending_obs is None or self.action is None or self.pending_ids is None:
+            obs = {k: v[rows] for k, v in unpack("prev/obs", a).items()}
+            action, episode, step = a["prev/action"][rows], a["prev/episode"][rows], a["prev/step"][rows]
+            versions = np.asarray(a["prev/policy_version"][rows], dtype=np.int64)
+            t_action, t_capture = a["prev/t_action"][rows], a["prev/t_capture"][rows]
+        elif self.pending_obs is None or self.action is None or self.pending_ids is None:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST,
                 "observation completes a step the gateway has no record of; resend it with prev/* arrays",
             )
-        assert self.versions is not None
-        episode, step, t_capture = self.pending_ids
-        full = len(rows) == self.num_envs
-        return {
-            "obs": self.pending_obs if full else {k: v[rows] for k, v in self.pending_obs.items()},
-            "action": self.action if full else self.action[rows],
-            "policy_version": self.versions if full else self.versions[rows],
-            "t_action": np.full(len(rows), self.t_action),
-            "t_capture": t_capture[rows],
-            "episode": episode[rows],
-            "step": step[rows],
+        else:
+            assert self.versions is not None
+            episodes, steps, captures = self.pending_ids
+            full = len(rows) == self.num_envs
+            obs = self.pending_obs if full else {k: v[rows] for k, v in self.pending_obs.items()}
+            action = self.action if full else self.action[rows]
+            versions = self.versions if full else self.versions[rows]
+            t_action, t_capture = np.full(len(rows), self.t_action), captures[rows]
+            episode, step = episodes[rows], steps[rows]
+        columns = {
+            "reward": info.reward[rows],
+            "terminated": info.terminated[rows],
+            "truncated": info.truncated[rows],
+            "success": info.success[rows],
+            "policy_version": versions,
+            "t_capture": t_capture,
+            "t_action": t_action,
+            "step": np.asarray(step, dtype=np.int64),
         }
+        ids = [episode_id(self.uid, r, int(e)) for r, e in zip(rows.tolist(), np.asarray(episode).tolist())]
+        return Transitions(ids, rows, obs, action, columns)
 
 
 class Hub(Protocol):
