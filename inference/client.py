@@ -205,6 +205,9 @@ class InferenceSource(ActionSource):
 
     def _dispatch(self, pending: Pending) -> None:
         now = time.monotonic()
+        if now >= pending.deadline:  # a server would answer too late for the gateway
+            self._fail(pending, f"gateway deadline passed {now - pending.deadline:.3f} s before it was sent")
+            return
         while True:
             replica = self._pick(pending)
             if replica is None:
