@@ -504,7 +504,9 @@ class OrtBackend(Backend):
             arr = numpy_helper.to_array(init)
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
                 raise WeightsError(ErrorCode.BAD_WEIGHTS, f"initializer {init.name!r} has NaN or Inf values")
-        path = self._write(blob, f"version-{version}.onnx")
+        # A name of its own: a refused model must not overwrite (then delete) the serving
+        # graph, which a publication after a rollback reuses the version number of.
+        path = self._write(blob, f"version-{version}-{os.urandom(4).hex()}.onnx")
         try:
             policy = self._session(path, None, version)
         except WeightsError:
