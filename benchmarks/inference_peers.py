@@ -239,7 +239,7 @@ def _run_loopgate_clients(args: argparse.Namespace) -> int:
 
     def call(i: int) -> None:
         seq[i] += 1
-        msg = Message(MsgType.OBSERVATION, seq=seq[i], meta={"deadline_ms": 30_000.0}, arrays=obs[i])
+        msg = Message(MsgType.INFER, seq=seq[i], meta={"deadline_ms": 30_000.0}, arrays=obs[i])
         started[i] = time.monotonic()
         socks[i].send_multipart(encode(msg), copy=False)
 

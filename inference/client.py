@@ -221,7 +221,7 @@ class InferenceSource(ActionSource):
             arrays = pack("obs", pending.obs)
             if pending.deterministic is not None:
                 arrays["deterministic"] = pending.deterministic
-            msg = Message(MsgType.OBSERVATION, seq=self._seq, meta=meta, arrays=arrays)
+            msg = Message(MsgType.INFER, seq=self._seq, meta=meta, arrays=arrays)
             if self._send(replica, msg):
                 pending.attempts += 1
                 pending.tried.add(replica.index)

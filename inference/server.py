@@ -57,6 +57,7 @@ from gateway.protocol import (
     send,
     unpack,
 )
+from gateway.protocol.schemas import INFERENCE_REQUEST
 from gateway.services import freeze_heap
 from gateway.transport import CurveKeys, bind, make_socket
 from inference.backends import Backend, LoadedPolicy, make_backend
@@ -191,7 +192,7 @@ class InferenceServer:
             return
         assert msg is not None
         try:
-            if msg.type is MsgType.OBSERVATION and name == "requests":
+            if msg.type is MsgType.INFER and name == "requests":
                 self._on_request(route, msg)
             elif msg.type is MsgType.HEARTBEAT:
                 _, rows = self.batcher.depth()
@@ -212,6 +213,9 @@ class InferenceServer:
 
     def _on_request(self, route: bytes, msg: Message) -> None:
         now = time.monotonic()
+        problems = INFERENCE_REQUEST.problems(msg)
+        if problems:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "inference request: " + "; ".join(problems))
         obs = unpack("obs", msg.arrays)
         rows = len(next(iter(obs.values()))) if obs and next(iter(obs.values())).ndim else 0
         problems = self.spec.check_observation(obs, rows) if rows else ["no observation rows"]

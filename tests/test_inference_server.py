@@ -93,7 +93,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def obs_request(n: int, seq: int = 1, **meta: Any) -> Message:
     rng = np.random.default_rng(seq)
     obs = {k: rng.standard_normal((n, *a.shape)).astype(a.dtype) for k, a in SPEC.observation.items()}
-    return Message(MsgType.OBSERVATION, seq=seq, meta={"deadline_ms": 5000, **meta}, arrays=pack("obs", obs))
+    return Message(MsgType.INFER, seq=seq, meta={"deadline_ms": 5000, **meta}, arrays=pack("obs", obs))
 
 
 def test_metadata_describes_spec_backend_device_version_and_queue(server):

@@ -193,3 +193,26 @@ def test_error_messages_raise_at_the_caller():
 def test_limits_validate_their_fields():
     with pytest.raises(ValueError, match=r"limits\.max_frames"):
         Limits(max_frames=0)
+
+
+@pytest.mark.unit
+def test_every_message_layout_is_declared_and_checked_next_to_the_codec():
+    from gateway.protocol.schemas import SCHEMAS, WORKER_OBSERVATION
+
+    assert {s.type for s in SCHEMAS} >= {MsgType.OBSERVATION, MsgType.ACTION, MsgType.INFER, MsgType.STEP}
+    assert all(s.doc for s in SCHEMAS)
+    good = Message(
+        MsgType.OBSERVATION,
+        arrays={
+            "obs/q": np.zeros((2, 3), np.float32),
+            "step_info": np.zeros((2, 8)),
+            "prev/action": np.zeros(2),
+        },
+    )
+    assert WORKER_OBSERVATION.problems(good) == []
+    bad = Message(MsgType.OBSERVATION, arrays={"q": np.zeros(2), "step_info": np.zeros((2, 8))})
+    assert WORKER_OBSERVATION.problems(bad) == [
+        "no obs/* arrays",
+        "unexpected array(s) ['q'] in a worker observation",
+    ]
+    assert "INFER" in WORKER_OBSERVATION.problems(Message(MsgType.INFER, arrays=good.arrays))[0]

@@ -51,6 +51,7 @@ from gateway.protocol import (
     send,
     unpack,
 )
+from gateway.protocol.schemas import WORKER_OBSERVATION
 from gateway.recorder import Recorder
 from gateway.steps import StepInfo
 from gateway.trajectory import Transitions, episode_id
@@ -222,8 +223,9 @@ class Gateway:
     ) -> tuple[dict[str, np.ndarray], StepInfo]:
         assert self.spec is not None
         n = session.num_envs
+        problems = WORKER_OBSERVATION.problems(msg)
         obs = unpack("obs", msg.arrays)
-        problems = self.spec.check_observation(obs, n)
+        problems += self.spec.check_observation(obs, n)
         info = msg.arrays.get("step_info")
         if info is None or info.dtype != np.float64 or info.shape != (n, steps.WIDTH):
             got = "missing" if info is None else f"{info.dtype}{list(info.shape)}"

@@ -63,6 +63,8 @@ class MsgType(IntEnum):
     HELD = 19
     """The gateway holds a client's request (pause, e-stop, budget, backpressure): meta
     ``reason`` and ``message``; repeated while held, and the answer follows once it lifts."""
+    INFER = 20
+    """A batch of observations for an inference server; answered with an ACTION."""
 
 
 @dataclass(slots=True)
