@@ -253,6 +253,8 @@ class Harness:
         self.exp, self.rng = exp, rng
         self.recover_timeout_s = recover_timeout_s
         self.baseline: dict[str, int] = {}
+        self.margin = 0
+        """Steps past a fault that show collection going on (two per env, set by settle)."""
         self.records: list[FaultRecord] = []
         self.problems: list[str] = []
         self.disks: dict[str, faults.DiskLimit] = {}
@@ -280,7 +282,9 @@ class Harness:
                 return False
         if killed is not None and any(killed in v for v in pids.values()):
             return False
-        return self.acked() > after
+        # Two steps of every env: a gateway acknowledges the observations already on their
+        # way even while no action can be had, so one batch proves nothing.
+        return self.acked() > after + self.margin
 
     def settle(self, timeout_s: float = 180.0) -> None:
         """Wait for the run to collect with every planned service up; note the baseline."""
@@ -292,6 +296,7 @@ class Harness:
             )
             self.exp.wait("a published policy version", lambda: self.trainer_progress()[2] > 0, timeout_s)
         time.sleep(1.0)
+        self.margin = 2 * sum(int(w["num_envs"]) for w in self.exp.status().get("workers", []))
         self.baseline = {k: len(v) for k, v in self.exp.pids().items() if k != "other"}
         self.exp.note_shm()
 
