@@ -40,6 +40,16 @@ class Histogram:
         self.total += value
         self.max = max(self.max, value)
 
+    def cumulative_buckets(self) -> list[tuple[str, float]]:
+        """``(upper bound, values at or below it)`` per bucket and ``+Inf``, as Prometheus
+        histograms count them."""
+        out, total = [], 0
+        for bucket in sorted(self.counts):
+            total += self.counts[bucket]
+            out.append((repr(self.GROWTH ** (bucket + 1)) if bucket > -10_000 else "0.0", float(total)))
+        out.append(("+Inf", float(self.n)))
+        return out
+
     def merge(self, other: Histogram) -> None:
         self.counts.update(other.counts)
         self.n += other.n
@@ -92,25 +102,58 @@ class Histogram:
 
 
 class MetricsWriter:
-    """Appends metric records for one service to a ``metrics.jsonl`` file."""
+    """Appends metric records for one service to a ``metrics.jsonl`` file, and serves the
+    latest at ``/metrics`` when the run's ``endpoints.json`` (beside it) gives the service
+    a metrics URL (see :mod:`gateway.prometheus`)."""
 
     def __init__(self, path: str | Path | None, service: str) -> None:
         self.service = service
         self._fd: int | None = None
+        self.server: Any = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.server = _metrics_server(Path(path).parent / "endpoints.json", service)
 
-    def emit(self, record: dict[str, Any]) -> None:
+    def emit(self, record: dict[str, Any], histograms: dict[str, Histogram] | None = None) -> None:
+        """Append ``record``; ``histograms`` (latency histograms by name) go to ``/metrics``
+        as Prometheus histograms, as well as in the record where the caller put them."""
         if self._fd is None:
             return
         line = json.dumps({"t": round(time.time(), 3), "service": self.service, **record}, default=_plain)
         os.write(self._fd, (line + "\n").encode())
+        if self.server is not None:
+            self.server.collector.update(record, histograms)
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def _metrics_server(endpoints: Path, service: str) -> Any:
+    """The ``/metrics`` server at the URL ``endpoints.json`` names for ``service``, if any."""
+    from urllib.parse import urlsplit
+
+    try:
+        url = json.loads(endpoints.read_text()).get("metrics", {}).get(service)
+    except (OSError, ValueError):
+        return None
+    if not url:
+        return None
+    from gateway.prometheus import MetricsServer
+
+    where = urlsplit(url)
+    try:
+        return MetricsServer(service, where.hostname or "127.0.0.1", int(where.port or 0))
+    except OSError as exc:  # the port is taken: metrics.jsonl goes on, /metrics does not
+        import logging
+
+        logging.getLogger(__name__).warning("cannot serve %s metrics at %s: %s", service, url, exc)
+        return None
 
 
 def _plain(value: Any) -> Any:

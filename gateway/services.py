@@ -42,6 +42,9 @@ class Service:
     """Extra environment variables."""
     finishes: bool = False
     """Exiting with status 0 is the service's normal end (e.g. a trainer that finished)."""
+    metrics: bool = False
+    """It writes ``metrics.jsonl`` records under its name, and serves them at ``/metrics``
+    (the URL ``loopgate up`` gives it in ``endpoints.json["metrics"]``)."""
 
 
 @dataclass
@@ -102,7 +105,7 @@ def plan_gateway(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
         "--spec",
         str(run.run_dir / "spec.json"),
     )
-    return [Service(name="gateway", argv=argv, order=20, ready_timeout_s=30.0)]
+    return [Service(name="gateway", argv=argv, order=20, ready_timeout_s=30.0, metrics=True)]
 
 
 def plan_workers(cfg: ExperimentConfig, run: RunContext) -> list[Service]:

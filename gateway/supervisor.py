@@ -46,7 +46,7 @@ from gateway.registry import (
     SUMMARY_HOOKS,
     resolve,
 )
-from gateway.services import RunContext, Service
+from gateway.services import RunContext, Service, free_port
 from gateway.store import EpisodeStore
 from gateway.trajectory import StoreCount
 from gateway.transport import CurveKeys
@@ -259,6 +259,12 @@ def prepare_run(
     for block in PLANS:
         if block in ("gateway", "env") or cfg.has(block):
             services.extend(resolve(PLANS, block, "service plan")(cfg, run))
+    # Every service that writes metrics serves them for Prometheus too; `up` itself also.
+    host = "127.0.0.1" if cfg.gateway.host in ("127.0.0.1", "localhost") else cfg.gateway.host
+    run.endpoints["metrics"] = {
+        name: f"http://{host}:{free_port(host)}/metrics"
+        for name in [s.name for s in services if s.metrics] + ["up"]
+    }
     (run_dir / "endpoints.json").write_text(json.dumps(run.endpoints, indent=2))
     return run, services, spec
 

@@ -82,7 +82,9 @@ def plan(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
             str(index),
         )
         # Before the gateway (order 20): its action source finds the servers up.
-        services.append(Service(name=f"inference-{index}", argv=argv, order=10, ready_timeout_s=60.0))
+        services.append(
+            Service(name=f"inference-{index}", argv=argv, order=10, ready_timeout_s=60.0, metrics=True)
+        )
     return services
 
 

@@ -34,6 +34,7 @@ def plan(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
     return [
         Service(
             name="trainer",
+            metrics=True,
             argv=argv,
             order=60,
             finishes=True,

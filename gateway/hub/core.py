@@ -551,7 +551,7 @@ class Gateway:
         status = self.status()
         status.pop("spec", None)
         status.pop("rtt", None)
-        self.metrics.emit(status)
+        self.metrics.emit(status, {"rtt_us": self.rtt})
 
     def close(self) -> None:
         self.clients.close()

@@ -39,4 +39,4 @@ def plan_replay(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
     )
     # Before the gateway (order 20), so its sink finds the service at once; rebuilding
     # large tables from the log can take a while.
-    return [Service(name="replay", argv=argv, order=10, ready_timeout_s=120.0)]
+    return [Service(name="replay", argv=argv, order=10, ready_timeout_s=120.0, metrics=True)]
