@@ -101,6 +101,38 @@ class Histogram:
         return h
 
 
+HOPS = ("capture_to_gateway", "spool_write", "policy", "gateway", "action_to_worker", "env_step", "sink_ack")
+"""The hops of one step, in order (each a latency in µs):
+
+- ``capture_to_gateway``: the worker captured the observation -> the gateway received it;
+- ``spool_write``: the gateway wrote the steps it completes to its spool;
+- ``policy``: the gateway asked the action source -> the actions came back (inference);
+- ``gateway``: the gateway received the observation -> its ACTION left (all of the above
+  on the gateway's side, spool and policy included; observations held by a stop state
+  are left out);
+- ``action_to_worker``: the ACTION left the gateway -> the worker received it;
+- ``env_step``: the worker's backend applied the action and stepped;
+- ``sink_ack``: a chunk went to the sink -> the sink said it is stored durably.
+
+Hops that cross processes compare wall clocks (``time.time``): exact on one machine,
+as good as the hosts' clock sync across machines."""
+
+
+class Hops:
+    """One latency histogram per hop of :data:`HOPS`."""
+
+    def __init__(self) -> None:
+        self.histograms: dict[str, Histogram] = {name: Histogram() for name in HOPS}
+
+    def add(self, hop: str, us: float) -> None:
+        if us >= 0:
+            self.histograms[hop].add(us)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """p50/p99/mean/max/n per hop that has samples."""
+        return {name: h.summary() for name, h in self.histograms.items() if h.n}
+
+
 class MetricsWriter:
     """Appends metric records for one service to a ``metrics.jsonl`` file, and serves the
     latest at ``/metrics`` when the run's ``endpoints.json`` (beside it) gives the service

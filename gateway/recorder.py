@@ -25,6 +25,7 @@ deduplicates it.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.metrics import Histogram
 from gateway.protocol import Message, MsgType, pack, unpack
 from gateway.segment_log import FsyncPolicy, SegmentLog
 from gateway.store import TrajectorySink
@@ -94,6 +96,9 @@ class Recorder:
             spool_dir, fsync=fsync, fsync_interval_s=fsync_interval_s, segment_bytes=1 << 62
         )
         self._ready: list[Message] = []
+        self.ack_latency = Histogram()
+        """µs from a chunk's submission to the sink to its acknowledgement (the ``sink_ack`` hop)."""
+        self._submitted_at: dict[str, float] = {}
         self._pending: list[tuple[Mapping[str, Any], Transitions, int]] = []
         self._cutting = True
 
@@ -224,6 +229,7 @@ class Recorder:
         self.apply_pending()
         while self._ready:
             chunk = self._ready.pop(0)
+            self._submitted_at.setdefault(chunk.meta["chunk_id"], time.perf_counter())
             self.sink.submit(chunk)
             self.counters.chunks_submitted += 1
         acked = self.sink.poll_acks()
@@ -232,6 +238,9 @@ class Recorder:
             entry = self._inflight.pop(cid, None)
             if entry is None:
                 continue  # a duplicate ack of a re-sent chunk
+            submitted = self._submitted_at.pop(cid, None)
+            if submitted is not None:
+                self.ack_latency.add((time.perf_counter() - submitted) * 1e6)
             _, segs, n = entry
             self._seg_unacked.subtract(segs)
             entries.append([cid, n])

@@ -12,7 +12,8 @@ gateway can record that step; the gateway drops steps it already has.
 
 Message layout (``K`` = num_envs)::
 
-    OBSERVATION  meta: uid, rtt_us, reset (bool)
+    OBSERVATION  meta: uid, rtt_us, reset (bool), hops_us {action_to_worker, env_step}
+                 (the previous ACTION's way here and the step it made, in µs)
                  obs/<key> [K, ...], step_info f64[K, 8] (gateway.steps.COLUMNS:
                  episode and step of these observations, t_capture, has_prev, and
                  reward, terminated, truncated, success of the step they complete),
@@ -206,7 +207,10 @@ class EnvWorker:
         n = self.backend.num_envs
         version = action_versions(action_msg, n)
         old_episode, old_step = self._episode.copy(), self._step.copy()
+        received = time.time()
+        started = time.perf_counter()
         obs, reward, terminated, truncated, info = self.backend.step(action)
+        step_us = (time.perf_counter() - started) * 1e6
         # Kept until the next action arrives: a restarted gateway needs it to record
         # the step this observation completes. References, not copies: the backend
         # never refills arrays it returned, and action frames are ours after receive.
@@ -224,9 +228,14 @@ class EnvWorker:
         self._step += 1
         self._episode[done] += 1
         self._step[done] = 0
-        return self._obs_message(
+        msg = self._obs_message(
             obs, reward=reward, terminated=terminated, truncated=truncated, info=info, has_prev=True
         )
+        hops = {"env_step": round(step_us, 1)}
+        if "t_action" in action_msg.meta:
+            hops["action_to_worker"] = round((received - float(action_msg.meta["t_action"])) * 1e6, 1)
+        msg.meta["hops_us"] = hops
+        return msg
 
     # ---------------------------------------------------------------------- loop
 

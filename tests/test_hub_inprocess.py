@@ -21,6 +21,7 @@ from gateway import steps
 from gateway.config import GatewayConfig
 from gateway.factory import experiment_spec, make_backend
 from gateway.hub import Gateway
+from gateway.metrics import HOPS
 from gateway.policies import InProcessSource, make_policy
 from gateway.protocol import Message, MsgType, pack, recv, send
 from gateway.recorder import Recorder
@@ -154,5 +155,10 @@ def test_the_hub_records_a_counter_workers_steps_in_process(hub, tmp_path):
     hub.stop()
     count = EpisodeStore(tmp_path / "episodes", readonly=True).count()
     assert final["drained"] and count.stored_steps == final["acked_steps"] == hub.gateway.state.env_steps
+    # Every hop of a step was timed, the worker's own ones reported back with its observations.
+    hops = final["hops_us"]
+    assert set(hops) == set(HOPS), sorted(hops)
+    assert all(h["n"] > 0 and h["p50"] >= 0 for h in hops.values())
+    assert hops["gateway"]["n"] >= hops["policy"]["n"] > 0
     assert count.completed_episodes >= 3 and count.duplicate_steps == 0
     control.close()

@@ -38,7 +38,7 @@ from gateway.evaluation import Evaluator, LagTracker
 from gateway.hub.clients import ClientRouter
 from gateway.hub.control import ControlDesk
 from gateway.hub.state import HOLD_MESSAGES, Collection, WorkerSession
-from gateway.metrics import Histogram, MetricsWriter
+from gateway.metrics import Histogram, Hops, MetricsWriter
 from gateway.policies import ActionSource
 from gateway.protocol import (
     ErrorCode,
@@ -97,6 +97,8 @@ class Gateway:
         self.errors: Counter[str] = Counter()
         self._logged: set[tuple[bytes, str]] = set()
         self.rtt = Histogram()
+        self.hops = Hops()
+        self.hops.histograms["sink_ack"] = recorder.ack_latency
         self.state = Collection(max_env_steps=max_env_steps, env_steps=recorder.counters.acked_steps)
         self.worker_timeout_s = config.worker_timeout_s
         self.policy_drives = source is not None
@@ -243,7 +245,9 @@ class Gateway:
             elif msg.seq == session.last_seq:
                 session.awaiting = msg.seq
             return
+        t_received = time.time()
         obs, info = self._check_observation(session, msg)
+        self._observe_hops(msg, info, t_received)
         if session.held:
             session.held = False
         elif msg.meta.get("rtt_us"):
@@ -255,7 +259,12 @@ class Gateway:
         rows = np.flatnonzero(info.has_prev) if not self.state.draining else np.empty(0, np.int64)
         completed = session.completed(msg, info, rows) if len(rows) else None
         # Durable before any ACTION leaves: the ACTION acknowledges these steps.
-        written = self._spool(session, completed) if completed is not None else 0
+        if completed is not None:
+            started = time.perf_counter()
+            written = self._spool(session, completed)
+            self.hops.add("spool_write", (time.perf_counter() - started) * 1e6)
+        else:
+            written = 0
         old_episodes = session.pending_ids[0] if session.pending_ids is not None else None
         session.last_seq = msg.seq
         session.last_reply = None
@@ -264,9 +273,22 @@ class Gateway:
         session.awaiting = msg.seq
         session.submitted = False
         session.acked_now = len(rows)
+        session.t_received = t_received
         self.route_observation(session, msg)
         # Bookkeeping after the ACTION left (in-process policies answer at once).
         self._account(session, msg, info, completed, old_episodes, written)
+
+    def _observe_hops(self, msg: Message, info: StepInfo, t_received: float) -> None:
+        """The hops this observation measured: its own way here, and what its worker
+        reports of the previous action (``meta["hops_us"]``)."""
+        if len(info):
+            self.hops.add("capture_to_gateway", (t_received - float(info.t_capture[0])) * 1e6)
+        reported = msg.meta.get("hops_us")
+        if isinstance(reported, dict):
+            for hop in ("action_to_worker", "env_step"):
+                value = reported.get(hop)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.hops.add(hop, float(value))
 
     def _spool(self, session: WorkerSession, steps: Transitions) -> int:
         """Write the transitions this observation completes to the recorder's spool."""
@@ -340,6 +362,7 @@ class Gateway:
     def _submit(self, session: WorkerSession) -> None:
         assert self.source is not None and session.pending_obs is not None and session.awaiting is not None
         session.submitted = True
+        session.t_submitted = time.perf_counter()
         key, deadline = (session.uid, session.awaiting), time.monotonic() + self.config.action_deadline_s
         flags = self.evaluator.flags(session.uid, session.num_envs)
         if flags.any():  # evaluation episodes act deterministically
@@ -366,6 +389,10 @@ class Gateway:
         session.action = np.asarray(actions)
         session.versions = np.asarray(versions, dtype=np.int64)
         session.t_action = time.time()
+        if session.submitted:
+            self.hops.add("policy", (time.perf_counter() - session.t_submitted) * 1e6)
+        if not session.held:  # a held observation's wait is the hold, not the data path
+            self.hops.add("gateway", (session.t_action - session.t_received) * 1e6)
         meta: dict[str, Any] = {"acked": session.acked_now, "t_action": session.t_action}
         arrays = {"action": session.action}
         v = session.versions
@@ -431,6 +458,7 @@ class Gateway:
             "rtt_p50_us": round(self.rtt.percentile(50), 1),
             "rtt_p99_us": round(self.rtt.percentile(99), 1),
             "rtt": self.rtt.to_dict(),
+            "hops_us": self.hops.summary(),
             "errors": dict(self.errors),
             "paused": self.state.paused,
             "lag_exceeded": self.lag_exceeded,
@@ -551,7 +579,9 @@ class Gateway:
         status = self.status()
         status.pop("spec", None)
         status.pop("rtt", None)
-        self.metrics.emit(status, {"rtt_us": self.rtt})
+        self.metrics.emit(
+            status, {"rtt_us": self.rtt, **{f"hop_{name}_us": h for name, h in self.hops.histograms.items()}}
+        )
 
     def close(self) -> None:
         self.clients.close()

@@ -105,6 +105,10 @@ class WorkerSession:
     reports for it measures the hold, not the data path."""
     acked_now: int = 0
     """Steps the observation being answered stored (sent back in the ACTION's meta)."""
+    t_received: float = 0.0
+    """When the observation being answered arrived (wall clock, for the ``gateway`` hop)."""
+    t_submitted: float = 0.0
+    """When it went to the action source (``perf_counter``, for the ``policy`` hop)."""
 
     def completed(self, msg: Message, info: StepInfo, rows: np.ndarray) -> Transitions:
         """The steps rows ``rows`` of observation ``msg`` complete: observation, action and
