@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("trainer.__main__:main", "run the FSDP trainer (also: torchrun -m trainer)"),
     "bench": ("benchmarks.__main__:main", "measure the data path against raw baselines"),
     "chaos": ("benchmarks.chaos:main", "run an experiment under injected faults; check nothing was lost"),
+    "report": ("gateway.report:main", "where a run's time went: stages, bottleneck, model, trace"),
     "doctor": ("gateway.doctor:main", "show what is installed and what to install"),
     "keys": ("gateway.keys:main", "make CURVE keys for binding beyond loopback"),
     "emulator": ("robots.emulator:main", "emulate the reach arm as a ROS 2 (ros2_control) robot"),

@@ -138,14 +138,15 @@ class MetricsWriter:
     latest at ``/metrics`` when the run's ``endpoints.json`` (beside it) gives the service
     a metrics URL (see :mod:`gateway.prometheus`)."""
 
-    def __init__(self, path: str | Path | None, service: str) -> None:
+    def __init__(self, path: str | Path | None, service: str, *, serve: bool = True) -> None:
         self.service = service
         self._fd: int | None = None
         self.server: Any = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            self.server = _metrics_server(Path(path).parent / "endpoints.json", service)
+            if serve:
+                self.server = _metrics_server(Path(path).parent / "endpoints.json", service)
 
     def emit(self, record: dict[str, Any], histograms: dict[str, Histogram] | None = None) -> None:
         """Append ``record``; ``histograms`` (latency histograms by name) go to ``/metrics``

@@ -95,6 +95,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         addresses=addresses,
         keys=keys,
         metrics=MetricsWriter(run_dir / "metrics.jsonl", "gateway"),
+        trace=MetricsWriter(run_dir / "trace.jsonl", "gateway", serve=False),
         max_env_steps=max_steps,
     )
     if "gateway" not in endpoints:

@@ -38,7 +38,8 @@ from gateway.evaluation import Evaluator, LagTracker
 from gateway.hub.clients import ClientRouter
 from gateway.hub.control import ControlDesk
 from gateway.hub.state import HOLD_MESSAGES, Collection, WorkerSession
-from gateway.metrics import Histogram, Hops, MetricsWriter
+from gateway.hub.timing import StepTiming
+from gateway.metrics import Histogram, MetricsWriter
 from gateway.policies import ActionSource
 from gateway.protocol import (
     ErrorCode,
@@ -75,6 +76,7 @@ class Gateway:
         addresses: dict[str, str],
         keys: CurveKeys | None = None,
         metrics: MetricsWriter | None = None,
+        trace: MetricsWriter | None = None,
         max_env_steps: int | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
@@ -84,6 +86,9 @@ class Gateway:
         self.spec = spec
         self.limits: Limits = config.limits
         self.metrics = metrics or MetricsWriter(None, "gateway")
+        self.timing = StepTiming(recorder.ack_latency, trace)
+        self.busy_s = 0.0
+        """Time the loop spent serving (not waiting in poll): the gateway's busy time."""
         self._ctx = context or zmq.Context.instance()
         self.workers_sock = make_socket(self._ctx, zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000)
         self.workers_sock.router_mandatory = False
@@ -97,8 +102,6 @@ class Gateway:
         self.errors: Counter[str] = Counter()
         self._logged: set[tuple[bytes, str]] = set()
         self.rtt = Histogram()
-        self.hops = Hops()
-        self.hops.histograms["sink_ack"] = recorder.ack_latency
         self.state = Collection(max_env_steps=max_env_steps, env_steps=recorder.counters.acked_steps)
         self.worker_timeout_s = config.worker_timeout_s
         self.policy_drives = source is not None
@@ -247,7 +250,7 @@ class Gateway:
             return
         t_received = time.time()
         obs, info = self._check_observation(session, msg)
-        self._observe_hops(msg, info, t_received)
+        self.timing.observation(session, msg, info, t_received)
         if session.held:
             session.held = False
         elif msg.meta.get("rtt_us"):
@@ -262,7 +265,7 @@ class Gateway:
         if completed is not None:
             started = time.perf_counter()
             written = self._spool(session, completed)
-            self.hops.add("spool_write", (time.perf_counter() - started) * 1e6)
+            self.timing.hops.add("spool_write", (time.perf_counter() - started) * 1e6)
         else:
             written = 0
         old_episodes = session.pending_ids[0] if session.pending_ids is not None else None
@@ -277,18 +280,6 @@ class Gateway:
         self.route_observation(session, msg)
         # Bookkeeping after the ACTION left (in-process policies answer at once).
         self._account(session, msg, info, completed, old_episodes, written)
-
-    def _observe_hops(self, msg: Message, info: StepInfo, t_received: float) -> None:
-        """The hops this observation measured: its own way here, and what its worker
-        reports of the previous action (``meta["hops_us"]``)."""
-        if len(info):
-            self.hops.add("capture_to_gateway", (t_received - float(info.t_capture[0])) * 1e6)
-        reported = msg.meta.get("hops_us")
-        if isinstance(reported, dict):
-            for hop in ("action_to_worker", "env_step"):
-                value = reported.get(hop)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.hops.add(hop, float(value))
 
     def _spool(self, session: WorkerSession, steps: Transitions) -> int:
         """Write the transitions this observation completes to the recorder's spool."""
@@ -389,10 +380,7 @@ class Gateway:
         session.action = np.asarray(actions)
         session.versions = np.asarray(versions, dtype=np.int64)
         session.t_action = time.time()
-        if session.submitted:
-            self.hops.add("policy", (time.perf_counter() - session.t_submitted) * 1e6)
-        if not session.held:  # a held observation's wait is the hold, not the data path
-            self.hops.add("gateway", (session.t_action - session.t_received) * 1e6)
+        self.timing.action(session, seq)
         meta: dict[str, Any] = {"acked": session.acked_now, "t_action": session.t_action}
         arrays = {"action": session.action}
         v = session.versions
@@ -458,7 +446,7 @@ class Gateway:
             "rtt_p50_us": round(self.rtt.percentile(50), 1),
             "rtt_p99_us": round(self.rtt.percentile(99), 1),
             "rtt": self.rtt.to_dict(),
-            "hops_us": self.hops.summary(),
+            "hops_us": self.timing.hops.summary(),
             "errors": dict(self.errors),
             "paused": self.state.paused,
             "lag_exceeded": self.lag_exceeded,
@@ -478,6 +466,7 @@ class Gateway:
             "policy": self.source.describe() if self.source else {"kind": "external"},
             "policy_version": self.source.version if self.source else 0,
             "uptime_s": round(now - self.started, 1),
+            "busy_s": round(self.busy_s, 3),
             "workers": [
                 {
                     "uid": s.uid,
@@ -554,6 +543,7 @@ class Gateway:
         log.info("gateway serving: %s", json.dumps(self.addresses))
         while not self.state.stopping and not (stop is not None and stop.is_set()):
             events = dict(poller.poll(int(TICK_S * 1000)))
+            turn = time.perf_counter()
             self.serve_control()
             for sock, handler in handlers:
                 if sock in events:
@@ -574,13 +564,15 @@ class Gateway:
             if now - last_metrics >= 1.0:
                 self.emit_metrics()
                 last_metrics = now
+            self.busy_s += time.perf_counter() - turn
 
     def emit_metrics(self) -> None:
         status = self.status()
         status.pop("spec", None)
         status.pop("rtt", None)
         self.metrics.emit(
-            status, {"rtt_us": self.rtt, **{f"hop_{name}_us": h for name, h in self.hops.histograms.items()}}
+            status,
+            {"rtt_us": self.rtt, **{f"hop_{name}_us": h for name, h in self.timing.hops.histograms.items()}},
         )
 
     def close(self) -> None:
@@ -592,3 +584,4 @@ class Gateway:
         self.recorder.close()
         self.recorder.sink.close()
         self.metrics.close()
+        self.timing.close()

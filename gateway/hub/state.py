@@ -109,6 +109,8 @@ class WorkerSession:
     """When the observation being answered arrived (wall clock, for the ``gateway`` hop)."""
     t_submitted: float = 0.0
     """When it went to the action source (``perf_counter``, for the ``policy`` hop)."""
+    trace: dict[str, Any] | None = None
+    """A sampled step being traced: its timestamps so far (``trace.jsonl``)."""
 
     def completed(self, msg: Message, info: StepInfo, rows: np.ndarray) -> Transitions:
         """The steps rows ``rows`` of observation ``msg`` complete: observation, action and

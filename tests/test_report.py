@@ -1,0 +1,65 @@
+"""``loopgate report``: a real run's stages, bottleneck, model and trace, read back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import loopgate
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def collected(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 workers x 4 MuJoCo envs under the PD controller, about three seconds of steps."""
+    run = tmp_path_factory.mktemp("report") / "run"
+    out = loopgate(
+        "up", "configs/collect_pd.yaml", "--run-dir", str(run), "--max-env-steps", "12000",
+        "--set", "env.num_envs=4", "--set", "run.status_interval_s=0.2",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return run
+
+
+def test_report_names_every_stage_its_busy_share_and_the_bottleneck(collected, tmp_path):
+    out = loopgate(
+        "report", str(collected), "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    names = [s["name"] for s in report["stages"]]
+    assert names[:2] == ["env workers (2 x 4 envs)", "gateway"]
+    busy = [s["busy"] for s in report["stages"] if s["busy"] is not None]
+    assert busy and all(0.0 < b <= 1.0 for b in busy), report["stages"]
+    assert report["bottleneck"] in names and f"bottleneck: {report['bottleneck']}" in out.stdout
+    assert report["steps_per_s"] > 0 and report["predicted_steps_per_s"] > 0
+    assert {"capture_to_gateway", "gateway", "env_step", "action_to_worker", "spool_write"} <= set(
+        report["hops_us"]
+    )
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_report_trace_follows_sampled_steps_across_processes(collected, tmp_path):
+    out = loopgate("report", str(collected), "--trace", str(tmp_path / "trace.json"))
+    assert out.returncode == 0, out.stderr
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"env worker", "gateway", "wire"} <= tracks
+    spans = [e for e in events if e["ph"] == "X"]
+    by_seq: dict[tuple[str, int], list[dict]] = {}
+    for e in spans:
+        by_seq.setdefault((e["args"]["worker"], e["args"]["seq"]), []).append(e)
+    assert by_seq
+    for parts in by_seq.values():  # one step end to end, each part after the one before
+        order = ["observation to gateway", "observation in to action out", "action to worker", "env step"]
+        starts = {e["name"]: e["ts"] for e in parts}
+        assert [starts[n] for n in order] == sorted(starts[n] for n in order), parts
+        assert all(e["dur"] >= 0 for e in parts)
+
+
+def test_report_of_a_folder_that_is_no_run_says_so(tmp_path):
+    out = loopgate("report", str(tmp_path))
+    assert out.returncode == 2 and "is not a run folder" in out.stderr
