@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 # CPU machines must get PyTorch's CPU build: a plain `torch` from PyPI is a multi-GB
 # CUDA build. Local wheels (find-links) or PyTorch's CPU index provide it.
 TORCH_INDEX ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,$(if $(shell command -v nvidia-smi 2>/dev/null),,--extra-index-url https://download.pytorch.org/whl/cpu))
-EXTRAS ?= dev,train,export,ros2
+EXTRAS ?= dev,train,export,ros2,console
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 export MUJOCO_GL ?= egl
@@ -22,7 +22,8 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-# System libraries: Mesa EGL and OSMesa for headless MuJoCo rendering.
+# System libraries: Mesa EGL and OSMesa for headless MuJoCo rendering; Debian's
+# Chromium for the console's browser tests (Playwright drives /usr/bin/chromium).
 system-deps:
 	@missing=""; \
 	for lib in libEGL.so.1 libOSMesa.so; do ldconfig -p | grep -q "$$lib" || missing="$$missing $$lib"; done; \
@@ -31,6 +32,11 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkgs; \
 	  elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkgs; \
 	  else echo "warning: missing$$missing; install: apt-get install $$pkgs (MuJoCo cameras need it)"; fi; \
+	fi
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	  elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	  else echo "warning: /usr/bin/chromium missing; install: apt-get install chromium (the console's browser tests need it)"; fi; \
 	fi
 
 $(STAMP): $(PY) pyproject.toml Makefile

@@ -32,6 +32,7 @@ CONFIG_BLOCKS: dict[str, str] = {
     "inference": "inference.config:InferenceConfig",
     "replay": "trainer.replay.config:ReplayConfig",
     "trainer": "trainer.config:TrainerConfig",
+    "console": "gateway.console.config:ConsoleConfig",
 }
 """Top-level blocks of an experiment config and the dataclass that validates each."""
 
@@ -88,6 +89,7 @@ PLANS: dict[str, str] = {
     "inference": "inference.services:plan",
     "replay": "trainer.replay.plan:plan_replay",
     "trainer": "trainer.services:plan",
+    "console": "gateway.console.config:plan_console",
 }
 """Service plans by config block (see :mod:`gateway.services`), run in this order."""
 

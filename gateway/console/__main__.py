@@ -1,0 +1,135 @@
+"""``python -m gateway.console`` / ``loopgate console``: the web console of a run.
+
+    loopgate console --run-dir runs/reach_sim-20260101-120000      # http://127.0.0.1:8080
+    LOOPGATE_CONSOLE_TOKEN=s3cret loopgate console --run-dir RUN --host 0.0.0.0 --port 8080
+    loopgate console --hash-token          # reads a token, prints the hash for the config
+
+Reads the run's ``config.yaml`` (its ``console:`` block) and ``endpoints.json`` (the
+gateway's addresses). With no token configured it makes one for this start, writes it to
+``RUN/console-token`` (readable by you only) and logs where it is; binding anything but
+loopback without a configured token is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import getpass
+import json
+import logging
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from gateway import lifeline
+from gateway.config import ConfigError, load_config
+from gateway.console.auth import Credential, hash_token, own_origins
+from gateway.console.config import ConsoleConfig
+
+log = logging.getLogger("gateway.console")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loopgate console",
+        description="Serve the web console of a running experiment.",
+        epilog="example: loopgate console --run-dir runs/reach_sim-20260101-120000",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--run-dir", help="the run folder (config.yaml, endpoints.json)")
+    p.add_argument("--config", help="experiment config (default: RUN/config.yaml)")
+    p.add_argument("--host", help="interface to bind (default: console.host)")
+    p.add_argument("--port", type=int, help="TCP port (default: console.port)")
+    p.add_argument("--hash-token", action="store_true", help="read a token on stdin, print its hash")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.hash_token:
+        token = getpass.getpass("token: ") if sys.stdin.isatty() else sys.stdin.readline().strip()
+        print(hash_token(token))
+        return 0
+    if not args.run_dir:
+        print("loopgate console: --run-dir is required", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir)
+    try:
+        cfg = load_config(args.config or run_dir / "config.yaml")
+        console_cfg: ConsoleConfig = cfg.console
+        overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        console_cfg = dataclasses.replace(console_cfg, **overrides)
+        console_cfg.check_exposure()
+        endpoints = json.loads((run_dir / "endpoints.json").read_text())
+    except (ConfigError, OSError, ValueError) as exc:
+        log.error("cannot start the console: %s", exc)
+        return 2
+    lifeline.arm()
+    credentials = console_cfg.credentials()
+    if not credentials:
+        credentials = [Credential("operator", hash_token(_token_file(run_dir)))]
+    return serve(console_cfg, credentials, endpoints, backend=cfg.env.backend, log_level=args.log_level)
+
+
+def _token_file(run_dir: Path) -> str:
+    """A one-start operator token in ``RUN/console-token`` (mode 0600) for a loopback console."""
+    token = secrets.token_urlsafe(24)
+    path = run_dir / "console-token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    log.warning("no console token configured: log in with the token in %s", path)
+    return token
+
+
+def serve(
+    cfg: ConsoleConfig,
+    credentials: list[Credential],
+    endpoints: dict[str, object],
+    *,
+    backend: str,
+    log_level: str = "INFO",
+) -> int:
+    import uvicorn
+
+    from gateway.console.app import ConsoleApp, create_app
+    from gateway.console.link import GatewayLink
+    from gateway.services import free_port
+
+    port = cfg.port or free_port(cfg.host if cfg.host != "0.0.0.0" else "127.0.0.1")
+    gateway = endpoints["gateway"]
+    assert isinstance(gateway, dict)
+    link = GatewayLink(endpoints, interval_s=cfg.status_interval_s, backend=backend)
+    console = ConsoleApp(
+        config=cfg,
+        credentials=credentials,
+        origins=own_origins(cfg.host, port),
+        link=link,
+        clients_address=gateway["clients"],
+    )
+    link.start()
+    try:
+        log.info("console at http://%s:%d", cfg.host, port)
+        uvicorn.run(
+            create_app(console),
+            host=cfg.host,
+            port=port,
+            log_level=log_level.lower(),
+            access_log=False,
+            ws_ping_interval=5.0,
+            ws_ping_timeout=5.0,
+        )
+    finally:
+        if console.teleop is not None:
+            console.teleop.release()
+        link.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""The console's web app: login, the fleet view, the e-stop and teleoperation.
+
+:func:`create_app` builds a FastAPI app around a :class:`~gateway.console.link.GatewayLink`
+(status, e-stop) and the gateway's client address (teleoperation)::
+
+    app = create_app(ConsoleApp(config=cfg.console, credentials=creds, origins=origins,
+                                link=link, clients_address=addr, run_dir=run_dir))
+    uvicorn.run(app, host="127.0.0.1", port=8080)
+
+HTTP: ``POST /api/login {token}`` (sets an HttpOnly, SameSite=Strict session cookie),
+``POST /api/logout``, ``GET /api/me``, ``GET /api/fleet``, ``POST /api/estop`` (any
+logged-in user), ``POST /api/resume`` (operators). WebSockets: ``/ws/fleet`` (the fleet
+view, pushed) and ``/ws/teleop`` (take over, commands, hold, release; pushed teleop
+state). Every WebSocket handshake and every POST checks the session and the Origin.
+Bad requests are answered ``{"error": ...}`` with a 4xx status; the page shows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import BackgroundTasks, FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+
+from gateway.console.auth import Credential, Role, Sessions, authenticate, origin_allowed
+from gateway.console.config import ConsoleConfig
+from gateway.console.link import GatewayLink
+from gateway.console.teleop import CommandError, TeleopLoop, TeleopSettings, parse_command
+from gateway.protocol import RemoteError, Timeout
+
+log = logging.getLogger(__name__)
+
+COOKIE = "loopgate_console"
+STATIC = Path(__file__).parent / "static"
+PUSH_S = 0.1
+"""How often the teleop state goes to the page."""
+
+
+@dataclass
+class ConsoleApp:
+    """Everything the app needs, built by :mod:`gateway.console.__main__`."""
+
+    config: ConsoleConfig
+    credentials: list[Credential]
+    origins: set[str]
+    link: GatewayLink
+    clients_address: str
+    teleop: TeleopLoop | None = None
+    teleop_owner: object | None = None
+    teleop_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def create_app(console: ConsoleApp) -> FastAPI:
+    cfg = console.config
+    sessions = Sessions(cfg.session_ttl_s)
+    app = FastAPI(title="loopgate console", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.console = console
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    def role_of(request: Request | WebSocket) -> Role | None:
+        return sessions.role(request.cookies.get(COOKIE))
+
+    def refuse_post(request: Request) -> JSONResponse | None:
+        if not origin_allowed(request.headers.get("origin"), console.origins):
+            return _error(403, "requests must come from the console's own page (Origin refused)")
+        return None
+
+    @app.get("/")
+    def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
+
+    @app.get("/api/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True}
+
+    @app.post("/api/login")
+    async def login(request: Request) -> JSONResponse:
+        if (refused := refuse_post(request)) is not None:
+            return refused
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "login needs a JSON body {token}")
+        token = body.get("token") if isinstance(body, dict) else None
+        if not isinstance(token, str) or not token or len(token) > 512:
+            return _error(400, "token must be a non-empty string")
+        role = await run_in_threadpool(authenticate, token, console.credentials)
+        if role is None:
+            log.warning("login refused from %s", request.client.host if request.client else "?")
+            return _error(401, "wrong token")
+        response = JSONResponse({"role": role})
+        response.set_cookie(
+            COOKIE,
+            sessions.create(role),
+            max_age=int(cfg.session_ttl_s),
+            httponly=True,
+            samesite="strict",
+            path="/",
+        )
+        return response
+
+    @app.post("/api/logout")
+    def logout(request: Request) -> JSONResponse:
+        if (refused := refuse_post(request)) is not None:
+            return refused
+        sessions.end(request.cookies.get(COOKIE))
+        response = JSONResponse({"role": None})
+        response.delete_cookie(COOKIE, path="/")
+        return response
+
+    @app.get("/api/me")
+    def me(request: Request) -> JSONResponse:
+        role = role_of(request)
+        return JSONResponse({"role": role}) if role else _error(401, "not logged in")
+
+    @app.get("/api/fleet")
+    def fleet(request: Request) -> JSONResponse:
+        if role_of(request) is None:
+            return _error(401, "not logged in")
+        return JSONResponse(console.link.fleet())
+
+    # The e-stop path: a plain POST served from the thread pool with its own control
+    # connection; it never waits for the WebSockets, the status poller or a takeover.
+    @app.post("/api/estop")
+    def estop(request: Request, background: BackgroundTasks) -> JSONResponse:
+        if (refused := refuse_post(request)) is not None:
+            return refused
+        role = role_of(request)
+        if role is None:
+            return _error(401, "not logged in")
+        try:
+            reply = console.link.estop(True, f"console ({role})")
+        except (Timeout, RemoteError) as exc:
+            return _error(502, f"the gateway did not take the e-stop: {exc}")
+        log.warning("e-stop engaged from the console (%s)", role)
+        if console.teleop is not None:
+            console.teleop.hold("e-stop")
+            background.add_task(_release, console)
+        return JSONResponse({"estopped": True, "reply": reply})
+
+    @app.post("/api/resume")
+    def resume(request: Request) -> JSONResponse:
+        if (refused := refuse_post(request)) is not None:
+            return refused
+        role = role_of(request)
+        if role is None:
+            return _error(401, "not logged in")
+        if role != "operator":
+            return _error(403, "only an operator can resume")
+        try:
+            reply = console.link.estop(False, "console (operator)")
+        except (Timeout, RemoteError) as exc:
+            return _error(502, f"the gateway did not take the resume: {exc}")
+        log.warning("e-stop lifted from the console")
+        return JSONResponse({"estopped": False, "reply": reply})
+
+    async def admit(ws: WebSocket) -> Role | None:
+        """The handshake's checks; a refused one is closed before it is accepted (HTTP 403)."""
+        role = role_of(ws)
+        if not origin_allowed(ws.headers.get("origin"), console.origins) or role is None:
+            log.warning("websocket %s refused (origin %r)", ws.url.path, ws.headers.get("origin"))
+            await ws.close(code=1008)
+            return None
+        await ws.accept()
+        return role
+
+    @app.websocket("/ws/fleet")
+    async def fleet_ws(ws: WebSocket) -> None:
+        if await admit(ws) is None:
+            return
+        try:
+            while True:
+                await ws.send_text(json.dumps(console.link.fleet()))
+                await asyncio.sleep(cfg.status_interval_s)
+        except (WebSocketDisconnect, RuntimeError):
+            return
+
+    @app.websocket("/ws/teleop")
+    async def teleop_ws(ws: WebSocket) -> None:
+        role = await admit(ws)
+        if role is None:
+            return
+        owner = object()
+        pusher = asyncio.create_task(_push_teleop(ws, console, owner))
+        try:
+            while True:
+                text = await ws.receive_text()
+                reply = await _on_teleop_message(console, owner, role, text)
+                if reply is not None:
+                    await ws.send_text(json.dumps(reply))
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        finally:
+            pusher.cancel()
+            if console.teleop_owner is owner:  # a dropped socket lets go at once
+                await run_in_threadpool(_release, console)
+
+    return app
+
+
+def _release(console: ConsoleApp) -> None:
+    loop, console.teleop, console.teleop_owner = console.teleop, None, None
+    console.link.controlled_by_console = None
+    if loop is not None:
+        loop.release()
+
+
+async def _push_teleop(ws: WebSocket, console: ConsoleApp, owner: object) -> None:
+    try:
+        while True:
+            loop = console.teleop
+            if loop is not None and console.teleop_owner is owner:
+                state = asdict(loop.snapshot())
+                if not state["active"]:  # ended by itself (e-stop, run ended): let go of it
+                    await run_in_threadpool(_release, console)
+                state["mine"] = True
+            else:
+                state = {"active": False, "mine": False, "taken": loop is not None}
+            await ws.send_text(json.dumps({"type": "teleop", **state}))
+            await asyncio.sleep(PUSH_S)
+    except (WebSocketDisconnect, RuntimeError):
+        return
+
+
+async def _on_teleop_message(
+    console: ConsoleApp, owner: object, role: Role, text: str
+) -> dict[str, Any] | None:
+    try:
+        msg = json.loads(text)
+    except ValueError:
+        return {"type": "error", "message": "messages must be JSON"}
+    kind = msg.get("type") if isinstance(msg, dict) else None
+    mine = console.teleop if console.teleop_owner is owner else None
+    if kind == "command":
+        if mine is None:
+            return {"type": "error", "message": "take over first"}
+        try:
+            cmd = parse_command(msg, mine.action_size, mine.num_envs)
+        except CommandError as exc:
+            return {"type": "error", "message": str(exc)}
+        mine.command(cmd, time.monotonic(), time.time() * 1000.0)
+        return None
+    if kind == "hold":
+        if mine is not None:
+            why = msg.get("why")
+            mine.hold(why[:80] if isinstance(why, str) and why else "the page asked")
+        return None
+    if kind == "take_over":
+        if role != "operator":
+            return {"type": "error", "message": "viewers cannot take over; log in with an operator token"}
+        worker = msg.get("worker")
+        if not isinstance(worker, str) or not worker:
+            return {
+                "type": "error",
+                "message": f"take_over needs a worker uid (see the fleet view), got {worker!r}",
+            }
+        async with console.teleop_lock:
+            if console.teleop is not None:
+                return {
+                    "type": "error",
+                    "message": "another console session is in control; it must release first",
+                }
+            settings = TeleopSettings(
+                deadman_s=console.config.deadman_s,
+                stale_command_s=console.config.stale_command_s,
+                max_command_hz=console.config.max_command_hz,
+                scale=console.config.teleop_scale,
+            )
+            try:
+                loop = await run_in_threadpool(
+                    lambda: TeleopLoop(console.clients_address, worker=worker, settings=settings)
+                )
+            except (Timeout, RemoteError) as exc:
+                return {"type": "error", "message": f"the gateway refused the takeover: {exc}"}
+            loop.start()
+            console.teleop, console.teleop_owner = loop, owner
+            console.link.controlled_by_console = loop.state.worker
+        log.info("console took over %s", loop.state.worker)
+        return {
+            "type": "taken",
+            "worker": loop.state.worker,
+            "num_envs": loop.num_envs,
+            "action_size": loop.action_size,
+        }
+    if kind == "release":
+        if mine is not None:
+            await run_in_threadpool(_release, console)
+        return {"type": "released"}
+    return {"type": "error", "message": f"unknown message type {kind!r}"}

@@ -1,0 +1,199 @@
+// The loopgate console's page: login, fleet view, e-stop, keyboard teleoperation.
+// Plain JS, no dependencies; every request goes to the console's own origin.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const KEYS = { KeyQ: [0, 1], KeyA: [0, -1], KeyW: [1, 1], KeyS: [1, -1], KeyE: [2, 1], KeyD: [2, -1] };
+const SEND_MS = 50;
+
+let role = null;
+let fleetSocket = null;
+let teleopSocket = null;
+let inControl = false;
+let actionSize = 3;
+let seq = 0;
+const held = new Set();
+
+function showError(text) { $("error").textContent = text || ""; }
+
+async function post(path, body) {
+  const response = await fetch(path, {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify(body || {}),
+    credentials: "same-origin",
+  });
+  let data = {};
+  try { data = await response.json(); } catch (e) { data = { error: `HTTP ${response.status}` }; }
+  if (!response.ok) throw new Error(data.error || `HTTP ${response.status}`);
+  return data;
+}
+
+function wsUrl(path) { return `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}${path}`; }
+
+function showLogin() {
+  role = null;
+  $("login-view").hidden = false;
+  $("main-view").hidden = true;
+  $("stop-bar").hidden = true;
+  $("logout").hidden = true;
+  $("who").textContent = "";
+  $("token").focus();
+}
+
+function showMain(newRole) {
+  role = newRole;
+  $("login-view").hidden = true;
+  $("main-view").hidden = false;
+  $("stop-bar").hidden = false;
+  $("logout").hidden = false;
+  $("who").textContent = `logged in as ${role}`;
+  $("resume").disabled = role !== "operator";
+  $("takeover").disabled = false;
+  openFleet();
+  openTeleop();
+}
+
+function openFleet() {
+  if (fleetSocket) return;
+  fleetSocket = new WebSocket(wsUrl("/ws/fleet"));
+  fleetSocket.onmessage = (event) => renderFleet(JSON.parse(event.data));
+  fleetSocket.onclose = () => { fleetSocket = null; if (role) setTimeout(openFleet, 1000); };
+}
+
+function text(value) { return value === null || value === undefined ? "-" : String(value); }
+
+function renderFleet(f) {
+  $("f-backend").textContent = `${text(f.backend)} (${text(f.task)})`;
+  $("f-env-steps").textContent = text(f.env_steps);
+  $("f-rate").textContent = text(f.steps_per_s);
+  $("f-episodes").textContent = text(f.episodes);
+  $("f-policy").textContent = text(f.policy_kind);
+  $("f-version").textContent = text(f.policy_version);
+  $("f-lag").textContent = `${text(f.policy_lag_mean)} / ${text(f.policy_lag_max)}`;
+  const state = f.error ? f.error : f.estopped ? "E-STOPPED" : f.held ? `held (${f.held})` : "running";
+  $("f-state").textContent = state;
+  const estop = $("estop-state");
+  estop.textContent = f.estopped ? "E-stop engaged" : "E-stop released";
+  estop.className = f.estopped ? "estopped" : "";
+  const body = document.querySelector("#workers tbody");
+  body.replaceChildren(...f.workers.map((w) => {
+    const row = document.createElement("tr");
+    for (const value of [w.uid, w.num_envs, w.env_steps, w.rtt_us, w.control]) {
+      const cell = document.createElement("td");
+      cell.textContent = text(value);
+      row.append(cell);
+    }
+    return row;
+  }));
+  const select = $("teleop-worker");
+  const known = Array.from(select.options).map((o) => o.value).join(",");
+  if (known !== f.workers.map((w) => w.uid).join(",")) {
+    select.replaceChildren(...f.workers.map((w) => new Option(w.uid, w.uid)));
+  }
+}
+
+function openTeleop() {
+  if (teleopSocket) return;
+  teleopSocket = new WebSocket(wsUrl("/ws/teleop"));
+  teleopSocket.onmessage = (event) => onTeleop(JSON.parse(event.data));
+  teleopSocket.onclose = () => {
+    teleopSocket = null;
+    setControl(false);
+    if (role) setTimeout(openTeleop, 1000);
+  };
+}
+
+function sendTeleop(msg) {
+  if (teleopSocket && teleopSocket.readyState === WebSocket.OPEN) teleopSocket.send(JSON.stringify(msg));
+}
+
+function setControl(mine) {
+  inControl = mine;
+  $("takeover").disabled = mine;
+  $("release").disabled = !mine;
+  $("t-control").textContent = mine ? "you (console)" : "policy";
+}
+
+function onTeleop(msg) {
+  if (msg.type === "error") { showError(msg.message); return; }
+  if (msg.type === "taken") { actionSize = msg.action_size; showError(""); setControl(true); return; }
+  if (msg.type === "released") { setControl(false); return; }
+  if (msg.type !== "teleop") return;
+  if (inControl && !msg.active) {
+    setControl(false);
+    if (msg.ended) showError(`control ended: ${msg.ended}`);
+  }
+  if (!msg.mine) return;
+  $("t-holding").textContent = msg.holding ? `holding: ${msg.holding}` : "live";
+  $("t-steps").textContent = text(msg.steps);
+  $("t-action").textContent = (msg.action || []).map((a) => a.toFixed(3)).join(", ");
+  $("t-joints").textContent = (msg.joint_pos || []).map((a) => a.toFixed(3)).join(", ");
+}
+
+function axes() {
+  const out = new Array(actionSize).fill(0);
+  for (const code of held) {
+    const [index, sign] = KEYS[code];
+    if (index < actionSize) out[index] = Math.max(-1, Math.min(1, out[index] + sign));
+  }
+  return out;
+}
+
+function hold(why) {
+  held.clear();
+  if (inControl) sendTeleop({ type: "hold", why });
+}
+
+setInterval(() => {
+  if (!inControl || held.size === 0) return;
+  seq += 1;
+  const env = Number.parseInt($("teleop-env").value, 10) || 0;
+  sendTeleop({ type: "command", seq, t: performance.timeOrigin + performance.now(), env, axes: axes() });
+}, SEND_MS);
+
+document.addEventListener("keydown", (event) => {
+  if (!role) return;
+  if (event.key === "Escape") { event.preventDefault(); $("estop").click(); return; }
+  const target = event.target;
+  if (target instanceof HTMLInputElement || target instanceof HTMLSelectElement) return;
+  if (KEYS[event.code] && inControl) { held.add(event.code); event.preventDefault(); }
+});
+document.addEventListener("keyup", (event) => {
+  if (!held.delete(event.code)) return;
+  if (held.size === 0) hold("keys released");
+});
+window.addEventListener("blur", () => hold("window blurred"));
+document.addEventListener("visibilitychange", () => { if (document.hidden) hold("tab hidden"); });
+
+$("login-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  try {
+    const data = await post("/api/login", { token: $("token").value });
+    $("token").value = "";
+    showError("");
+    showMain(data.role);
+  } catch (e) { showError(`login failed: ${e.message}`); }
+});
+$("logout").addEventListener("click", async () => {
+  try { await post("/api/logout"); } finally {
+    role = null;
+    for (const socket of [fleetSocket, teleopSocket]) if (socket) socket.close();
+    showLogin();
+  }
+});
+$("estop").addEventListener("click", async () => {
+  try { await post("/api/estop"); hold("e-stop"); showError(""); } catch (e) { showError(`e-stop: ${e.message}`); }
+});
+$("resume").addEventListener("click", async () => {
+  try { await post("/api/resume"); showError(""); } catch (e) { showError(`resume: ${e.message}`); }
+});
+$("takeover").addEventListener("click", () => {
+  showError("");
+  sendTeleop({ type: "take_over", worker: $("teleop-worker").value || null });
+});
+$("release").addEventListener("click", () => { hold("released"); sendTeleop({ type: "release" }); });
+
+fetch("/api/me", { credentials: "same-origin" })
+  .then((r) => (r.ok ? r.json().then((d) => showMain(d.role)) : showLogin()))
+  .catch(() => showLogin());

@@ -1,0 +1,277 @@
+"""Teleoperation: an operator's commands checked, limited, and turned into one env's action.
+
+The browser sends, while the operator holds a key, about 20 commands a second::
+
+    {"type": "command", "seq": 17, "t": 1764601234567.0, "env": 0, "axes": [0.0, 1.0, 0.0]}
+
+``axes`` is one value in [-1, 1] per action element; ``t`` is the page's clock in ms.
+:func:`parse_command` validates a message, :class:`RateLimiter` drops floods,
+:class:`StaleFilter` drops commands that arrive late or out of order, and
+:class:`Deadman` decides whether the last command still holds. :class:`TeleopLoop`
+attaches to one worker through the gateway's client socket
+(:class:`gateway.client.GatewayVectorEnv` with ``takeover=True``) and steps it at the
+env's control rate::
+
+    loop = TeleopLoop(address, worker="worker-0", settings=settings)
+    loop.start()
+    loop.command(parse_command(msg, loop.action_size, loop.num_envs), now)
+    loop.hold("window blurred")       # keys up, blur, hidden tab, dropped socket
+    loop.release()
+
+The hold is enforced here, next to the gateway, not only in the page: with no fresh
+command for ``deadman_s`` the loop sends the hold action. For the reach arm (joint
+position *deltas*) the hold action is all zeros, so the first command after a takeover
+and every hold keep the joints' current targets: the takeover is bumpless.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, TypeGuard
+
+import numpy as np
+
+from gateway.protocol import RemoteError, RunEnded, Timeout
+
+log = logging.getLogger(__name__)
+
+
+class CommandError(ValueError):
+    """A control message that does not fit; the text goes back to the page."""
+
+
+@dataclass(frozen=True)
+class Command:
+    seq: int
+    t_ms: float
+    env: int
+    axes: tuple[float, ...]
+
+
+def _number(value: Any) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_command(msg: Any, action_size: int, num_envs: int) -> Command:
+    """A validated :class:`Command`, or :class:`CommandError` saying what is wrong."""
+    if not isinstance(msg, dict):
+        raise CommandError("a command must be a JSON object")
+    seq, t, env, axes = msg.get("seq"), msg.get("t"), msg.get("env"), msg.get("axes")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise CommandError(f"seq must be a non-negative integer, got {seq!r}")
+    if not _number(t):
+        raise CommandError(f"t must be a finite number (ms), got {t!r}")
+    if not isinstance(env, int) or isinstance(env, bool) or not 0 <= env < num_envs:
+        raise CommandError(f"env must be an integer in 0..{num_envs - 1}, got {env!r}")
+    if not isinstance(axes, list) or len(axes) != action_size:
+        raise CommandError(f"axes must be a list of {action_size} numbers, got {axes!r}")
+    if not all(_number(a) and -1.0 <= a <= 1.0 for a in axes):
+        raise CommandError(f"every axis must be a number in [-1, 1], got {axes!r}")
+    return Command(seq=seq, t_ms=float(t), env=env, axes=tuple(float(a) for a in axes))
+
+
+class RateLimiter:
+    """Token bucket: ``rate_hz`` on average, bursts up to ``burst``."""
+
+    def __init__(self, rate_hz: float, burst: float | None = None) -> None:
+        self.rate = rate_hz
+        self.burst = burst if burst is not None else max(1.0, rate_hz / 4)
+        self.tokens = self.burst
+        self.last: float | None = None
+        self.dropped = 0
+
+    def allow(self, now: float) -> bool:
+        if self.last is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        self.dropped += 1
+        return False
+
+
+class StaleFilter:
+    """Drops commands that arrive out of order or late.
+
+    Page and server clocks need not agree: the smallest ``arrival - t`` seen so far
+    is taken as the clock offset plus the fastest delivery, and a command whose
+    delay exceeds it by more than ``max_age_s`` is stale."""
+
+    def __init__(self, max_age_s: float) -> None:
+        self.max_age_ms = max_age_s * 1000.0
+        self.offset_ms: float | None = None
+        self.last_seq = -1
+        self.dropped = 0
+
+    def accept(self, cmd: Command, now_ms: float) -> bool:
+        if cmd.seq <= self.last_seq:
+            self.dropped += 1
+            return False
+        delay = now_ms - cmd.t_ms
+        if self.offset_ms is None or delay < self.offset_ms:
+            self.offset_ms = delay
+        if delay - self.offset_ms > self.max_age_ms:
+            self.dropped += 1
+            return False
+        self.last_seq = cmd.seq
+        return True
+
+
+class Deadman:
+    """The last command holds for ``timeout_s`` after it arrived, until :meth:`hold`."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.last: float | None = None
+        self.reason = "no command yet"
+
+    def feed(self, now: float) -> None:
+        self.last = now
+
+    def hold(self, reason: str) -> None:
+        self.last, self.reason = None, reason
+
+    def alive(self, now: float) -> bool:
+        if self.last is not None and now - self.last > self.timeout_s:
+            self.hold(f"no command for {self.timeout_s:g} s")
+        return self.last is not None
+
+
+@dataclass
+class TeleopSettings:
+    deadman_s: float = 0.5
+    stale_command_s: float = 0.3
+    max_command_hz: float = 60.0
+    scale: float = 0.5
+    step_timeout_s: float = 5.0
+
+
+@dataclass
+class TeleopState:
+    """What the page shows about the takeover; a snapshot, copied under the loop's lock."""
+
+    active: bool = False
+    worker: str | None = None
+    env: int = 0
+    holding: str | None = "no command yet"
+    steps: int = 0
+    action: list[float] = field(default_factory=list)
+    joint_pos: list[float] = field(default_factory=list)
+    dropped_rate: int = 0
+    dropped_stale: int = 0
+    ended: str | None = None
+
+
+class TeleopLoop:
+    """One takeover of one worker through the gateway's client socket, in its own thread."""
+
+    def __init__(self, address: str, *, worker: str, settings: TeleopSettings) -> None:
+        from gateway.client import GatewayVectorEnv
+
+        self.settings = settings
+        # Held requests (e-stop, pause) are not waited out: the loop lets go instead, so
+        # that a Resume never hands motion back to a takeover nobody holds any more.
+        self.env = GatewayVectorEnv(
+            address, worker=worker, takeover=True, timeout_s=settings.step_timeout_s, hold_timeout_s=1.0
+        )
+        try:
+            self._setup()
+        except BaseException:
+            self.env.close()
+            raise
+        self.state = TeleopState(active=True, worker=worker)
+        self._thread = threading.Thread(target=self._run, name="teleop", daemon=True)
+
+    def _setup(self) -> None:
+        spec = self.env.spec_
+        self.num_envs = self.env.num_envs
+        self.action_size = int(np.prod(spec.action.shape))
+        self.dt = 1.0 / spec.control_hz
+        self.dtype = np.dtype(spec.action.dtype)
+        self.high = np.broadcast_to(np.asarray(spec.action.high, dtype=np.float64), (self.action_size,))
+        self.low = np.broadcast_to(np.asarray(spec.action.low, dtype=np.float64), (self.action_size,))
+        self.limiter = RateLimiter(self.settings.max_command_hz)
+        self.stale = StaleFilter(self.settings.stale_command_s)
+        self.deadman = Deadman(self.settings.deadman_s)
+        self._lock = threading.Lock()
+        self._axes = np.zeros(self.action_size)
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def command(self, cmd: Command, now: float, now_ms: float) -> bool:
+        """Take ``cmd`` if it passes the rate limit and is fresh; False when dropped."""
+        with self._lock:
+            if not self.limiter.allow(now) or not self.stale.accept(cmd, now_ms):
+                self.state.dropped_rate, self.state.dropped_stale = self.limiter.dropped, self.stale.dropped
+                return False
+            self._axes = np.asarray(cmd.axes)
+            self.state.env = cmd.env
+            self.deadman.feed(now)
+            return True
+
+    def hold(self, reason: str) -> None:
+        with self._lock:
+            self.deadman.hold(reason)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self.settings.step_timeout_s + 2.0)
+
+    def snapshot(self) -> TeleopState:
+        with self._lock:
+            return TeleopState(**vars(self.state))
+
+    def _action(self, now: float) -> np.ndarray:
+        action = np.zeros((self.num_envs, self.action_size))
+        with self._lock:
+            alive = self.deadman.alive(now)
+            self.state.holding = None if alive else self.deadman.reason
+            if alive:
+                bound = np.where(self._axes >= 0, self.high, -self.low)
+                action[self.state.env] = np.clip(
+                    self._axes * bound * self.settings.scale, self.low, self.high
+                )
+        return action.astype(self.dtype)
+
+    def _run(self) -> None:
+        ended = "released"
+        try:
+            next_tick = time.monotonic()
+            while not self._stop.is_set():
+                action = self._action(time.monotonic())
+                try:
+                    obs, *_ = self.env.step(action)
+                except RemoteError as exc:
+                    if exc.code != "unexpected":  # the worker's next observation is not in yet
+                        raise
+                    self._stop.wait(self.dt / 4)
+                    continue
+                with self._lock:
+                    self.state.steps += 1
+                    self.state.action = [round(float(a), 4) for a in action[self.state.env].ravel()]
+                    joints = obs.get("joint_pos")
+                    if joints is not None:
+                        self.state.joint_pos = [round(float(j), 4) for j in joints[self.state.env]]
+                next_tick += self.dt
+                self._stop.wait(max(0.0, next_tick - time.monotonic()))
+                next_tick = max(next_tick, time.monotonic() - self.dt)
+        except RunEnded:
+            ended = "the run ended"
+        except Timeout as exc:  # Held is a Timeout: e-stop or pause while in control
+            reason = getattr(exc, "reason", None)
+            ended = f"held by the gateway ({reason})" if reason else f"the gateway did not answer: {exc}"
+        except RemoteError as exc:
+            ended = f"the gateway refused: {exc}"
+        finally:
+            self.env.close()
+            with self._lock:
+                self.state.active, self.state.ended, self.state.holding = False, ended, ended
+            log.info("teleoperation of %s ended: %s", self.state.worker, ended)
