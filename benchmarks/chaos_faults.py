@@ -224,27 +224,24 @@ class DiskLimit:
         return st.f_bavail * st.f_frsize
 
     def fill(self, leave_bytes: int = 0) -> int:
-        """Write a file until the disk refuses (ENOSPC); the bytes it took."""
+        """Write a file until the disk refuses (ENOSPC); the bytes it took. Unbuffered, so
+        that no write is left for ``close`` to fail on."""
         written = 0
         block = b"\0" * (1 << 20)
         try:
-            f = open(self.filler, "ab")  # noqa: SIM115 - closed below
+            fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as exc:  # full already: the services took every byte themselves
             if exc.errno != errno.ENOSPC:
                 raise
             return 0
-        with f:
-            while True:
-                room = self.free_bytes() - leave_bytes
-                if room <= 0:
-                    break
-                try:
-                    written += f.write(block[: min(len(block), room)])
-                    f.flush()
-                except OSError as exc:
-                    if exc.errno != errno.ENOSPC:
-                        raise
-                    break
+        try:
+            while (room := self.free_bytes() - leave_bytes) > 0:
+                written += os.write(fd, block[: min(len(block), room)])
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+        finally:
+            os.close(fd)
         return written
 
     def free(self) -> None:

@@ -459,19 +459,22 @@ class Harness:
         disk = self.disks[where]
         rec.target = f"{where}/ ({disk.free_bytes() >> 20} MiB free)"
         rec.held_s = round(self.rng.uniform(4.0, 8.0), 1)
-        rec.detail["filled_mib"] = disk.fill() >> 20
-        t_full = time.monotonic()
-        held, reason = None, None
-        while time.monotonic() - t_full < rec.held_s:
-            status = self.exp.status(timeout_s=0.5)
-            if status.get("held") and held is None:
-                held, reason = round(time.monotonic() - t_full, 2), status["held"]
-            time.sleep(0.2)
+        held: float | None = None
+        reason = None
+        try:
+            rec.detail["filled_mib"] = disk.fill() >> 20
+            t_full = time.monotonic()
+            while time.monotonic() - t_full < rec.held_s:
+                status = self.exp.status(timeout_s=0.5)
+                if status.get("held") and held is None:
+                    held, reason = round(time.monotonic() - t_full, 2), status["held"]
+                time.sleep(0.2)
+        finally:
+            disk.free()  # whatever happened, the disk gets its room back
         rec.detail.update({"held_after_s": held, "held_reason": reason})
         if held is None:
             rec.note = "collection was not held while the disk was full"
             self.problems.append(f"{rec.kind}: {rec.note}")
-        disk.free()
         self._recover(rec, self.acked())
 
     def _disk_replay(self, rec: FaultRecord) -> None:
