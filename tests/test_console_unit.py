@@ -1,0 +1,160 @@
+"""The console's own rules without a browser: tokens, sessions, origins, command checks,
+rate limit, stale commands, the deadman and the config block."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import ConfigError, from_dict
+from gateway.console.auth import (
+    Credential,
+    Sessions,
+    authenticate,
+    check_hash,
+    hash_token,
+    origin_allowed,
+    own_origins,
+    verify_token,
+)
+from gateway.console.config import TOKEN_ENV, ConsoleConfig
+from gateway.console.teleop import (
+    Command,
+    CommandError,
+    Deadman,
+    RateLimiter,
+    StaleFilter,
+    parse_command,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_token_hash_verifies_only_its_token_and_holds_no_plain_text() -> None:
+    hashed = hash_token("s3cret-token", iterations=2000)
+    assert "s3cret-token" not in hashed
+    assert check_hash(hashed) is None
+    assert verify_token("s3cret-token", hashed)
+    assert not verify_token("s3cret-tokeN", hashed)
+    assert not verify_token("s3cret-token", "plain-text")
+    assert hash_token("x", iterations=2000) != hash_token("x", iterations=2000)  # salted
+
+
+def test_authenticate_gives_the_highest_matching_role() -> None:
+    viewer, operator = hash_token("v", iterations=2000), hash_token("o", iterations=2000)
+    creds = [Credential("viewer", viewer), Credential("operator", operator)]
+    assert authenticate("v", creds) == "viewer"
+    assert authenticate("o", creds) == "operator"
+    assert authenticate("wrong", creds) is None
+    assert authenticate("v", [*creds, Credential("operator", viewer)]) == "operator"
+
+
+def test_sessions_expire_and_end() -> None:
+    sessions = Sessions(ttl_s=3600)
+    sid = sessions.create("viewer")
+    assert sessions.role(sid) == "viewer"
+    assert sessions.role("forged") is None and sessions.role(None) is None
+    sessions.end(sid)
+    assert sessions.role(sid) is None
+    expired = Sessions(ttl_s=-1.0)
+    assert expired.role(expired.create("operator")) is None
+
+
+def test_only_the_consoles_own_origin_is_allowed() -> None:
+    allowed = own_origins("127.0.0.1", 8080)
+    assert origin_allowed("http://127.0.0.1:8080", allowed)
+    assert origin_allowed("http://localhost:8080", allowed)
+    assert not origin_allowed("http://127.0.0.1:8081", allowed)
+    assert not origin_allowed("http://evil.example", allowed)
+    assert not origin_allowed(None, allowed)
+    assert own_origins("10.0.0.5", 80) == {"http://10.0.0.5:80"}
+
+
+def test_valid_command_is_parsed() -> None:
+    cmd = parse_command({"seq": 3, "t": 1000.5, "env": 1, "axes": [0, 1.0, -0.5]}, 3, 2)
+    assert cmd == Command(seq=3, t_ms=1000.5, env=1, axes=(0.0, 1.0, -0.5))
+
+
+@pytest.mark.parametrize(
+    ("msg", "fragment"),
+    [
+        ("not a dict", "JSON object"),
+        ({"seq": -1, "t": 0, "env": 0, "axes": [0, 0, 0]}, "seq"),
+        ({"seq": True, "t": 0, "env": 0, "axes": [0, 0, 0]}, "seq"),
+        ({"seq": 1, "t": "now", "env": 0, "axes": [0, 0, 0]}, "t must"),
+        ({"seq": 1, "t": float("nan"), "env": 0, "axes": [0, 0, 0]}, "t must"),
+        ({"seq": 1, "t": 0, "env": 2, "axes": [0, 0, 0]}, "env must"),
+        ({"seq": 1, "t": 0, "env": 0, "axes": [0, 0]}, "3 numbers"),
+        ({"seq": 1, "t": 0, "env": 0, "axes": [0, 0, 1.5]}, "[-1, 1]"),
+        ({"seq": 1, "t": 0, "env": 0, "axes": [0, 0, float("inf")]}, "[-1, 1]"),
+        ({"seq": 1, "t": 0, "env": 0, "axes": [0, "x", 0]}, "[-1, 1]"),
+    ],
+)
+def test_bad_command_is_refused_with_a_reason(msg: object, fragment: str) -> None:
+    with pytest.raises(CommandError) as info:
+        parse_command(msg, 3, 2)
+    assert fragment in str(info.value)
+
+
+def test_rate_limiter_drops_a_flood_and_refills_over_time() -> None:
+    limiter = RateLimiter(rate_hz=10.0, burst=2.0)
+    assert [limiter.allow(0.0) for _ in range(4)] == [True, True, False, False]
+    assert limiter.dropped == 2
+    assert limiter.allow(0.1)  # one token back after 1/rate
+    assert not limiter.allow(0.1)
+
+
+def test_stale_and_out_of_order_commands_are_dropped() -> None:
+    f = StaleFilter(max_age_s=0.3)
+
+    def cmd(seq: int, t_ms: float) -> Command:
+        return Command(seq=seq, t_ms=t_ms, env=0, axes=(0.0,))
+
+    # The page's clock runs 5 s behind the server's: only the change of delay counts.
+    assert f.accept(cmd(1, 1000.0), now_ms=6000.0)
+    assert f.accept(cmd(2, 1050.0), now_ms=6060.0)
+    assert not f.accept(cmd(2, 1100.0), now_ms=6100.0)  # repeated seq
+    assert not f.accept(cmd(3, 1100.0), now_ms=6500.0)  # arrived 400 ms late
+    assert f.accept(cmd(4, 1500.0), now_ms=6510.0)
+    assert f.dropped == 2
+
+
+def test_deadman_holds_after_its_timeout_or_when_told() -> None:
+    d = Deadman(timeout_s=0.5)
+    assert not d.alive(0.0) and d.reason == "no command yet"
+    d.feed(1.0)
+    assert d.alive(1.4)
+    assert not d.alive(1.6) and "no command for 0.5 s" in d.reason
+    d.feed(2.0)
+    d.hold("window blurred")
+    assert not d.alive(2.1) and d.reason == "window blurred"
+
+
+def test_console_block_is_off_by_default_on_loopback_port_8080() -> None:
+    c = from_dict({}).console
+    assert (c.enabled, c.host, c.port) == (False, "127.0.0.1", 8080)
+
+
+def test_console_block_refuses_a_plain_text_token_and_bad_limits() -> None:
+    with pytest.raises(ConfigError, match="operator_token_hash"):
+        ConsoleConfig(operator_token_hash="hunter2")
+    with pytest.raises(ConfigError, match="deadman_s"):
+        ConsoleConfig(deadman_s=0)
+    with pytest.raises(ConfigError, match="port"):
+        ConsoleConfig(port=70000)
+
+
+def test_binding_beyond_loopback_needs_a_token() -> None:
+    exposed = ConsoleConfig(enabled=True, host="0.0.0.0")
+    with pytest.raises(ConfigError, match="no token"):
+        exposed.check_exposure(environ={})
+    exposed.check_exposure(environ={TOKEN_ENV: "s3cret"})
+    ConsoleConfig(host="0.0.0.0", viewer_token_hash=hash_token("v", iterations=2000)).check_exposure(
+        environ={}
+    )
+    ConsoleConfig(host="127.0.0.1").check_exposure(environ={})
+
+
+def test_environment_token_becomes_an_operator_hash() -> None:
+    creds = ConsoleConfig().credentials(environ={TOKEN_ENV: "from-env"})
+    assert [c.role for c in creds] == ["operator"]
+    assert "from-env" not in creds[0].hashed and verify_token("from-env", creds[0].hashed)
