@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "emulator": ("robots.emulator:main", "emulate the reach arm as a ROS 2 (ros2_control) robot"),
     "replay": ("trainer.replay.cli:main", "run the replay service, or import demonstrations into a run"),
     "export": ("trainer.replay.export:main", "export a run's episodes (LeRobot v3 dataset, MCAP for ROS 2)"),
-    "console": ("gateway.console.__main__:main", "serve the web console of a run (fleet, e-stop, teleoperation)"),
+    "console": ("gateway.console.__main__:main", "serve a run's web console: fleet, e-stop, teleoperation"),
 }
 """Subcommand -> (``module:function``, one-line description)."""
 
