@@ -193,6 +193,8 @@ def test_wrong_token_is_refused_and_an_operator_sees_the_fleet(
     )
     assert page.get_by_role("button", name="E-stop").is_visible()
     assert "hardware e-stop" in page.locator("#stop-bar .note").inner_text()
+    # The training view plots the run's own metrics with the vendored uPlot.
+    page.locator('#charts figure[data-series="steps_per_s"] canvas').wait_for(timeout=time_left() * 1000)
     cookie = next(c for c in page.context.cookies() if c["name"] == "loopgate_console")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     page.screenshot(path=str(tmp_path / "fleet.png"))

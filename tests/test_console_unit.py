@@ -3,6 +3,9 @@ rate limit, stale commands, the deadman and the config block."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from gateway.config import ConfigError, from_dict
@@ -17,6 +20,7 @@ from gateway.console.auth import (
     verify_token,
 )
 from gateway.console.config import TOKEN_ENV, ConsoleConfig
+from gateway.console.metrics import MetricsTail
 from gateway.console.teleop import (
     Command,
     CommandError,
@@ -158,3 +162,24 @@ def test_environment_token_becomes_an_operator_hash() -> None:
     creds = ConsoleConfig().credentials(environ={TOKEN_ENV: "from-env"})
     assert [c.role for c in creds] == ["operator"]
     assert "from-env" not in creds[0].hashed and verify_token("from-env", creds[0].hashed)
+
+
+def test_metrics_tail_follows_the_file_and_skips_torn_and_corrupt_lines(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path, max_points=3)
+    assert tail.series() == {}  # no file yet
+    lines = [
+        {"t": 1.0, "service": "up", "steps_per_s": 10.0, "policy_lag": {"mean": 0.5}},
+        {"t": 2.0, "service": "trainer", "eval": {"success_rate": 0.25}, "critic_loss": 1.5},
+        {"t": 3.0, "service": "gateway", "steps_per_s": 99.0},  # not the up service's line
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\nnot json\n" + '{"t": 4.0, "serv')
+    s = tail.series()
+    assert s["steps_per_s"] == {"x": [1.0], "y": [10.0]}
+    assert s["policy_lag_mean"]["y"] == [0.5]
+    assert s["success_rate"]["y"] == [0.25] and s["critic_loss"]["y"] == [1.5]
+    with path.open("a") as f:  # the torn line is completed; more lines follow
+        f.write('ice": "up", "steps_per_s": 20.0}\n')
+        for t in (5.0, 6.0, 7.0):
+            f.write(json.dumps({"t": t, "service": "up", "steps_per_s": t}) + "\n")
+    assert tail.series()["steps_per_s"] == {"x": [5.0, 6.0, 7.0], "y": [5.0, 6.0, 7.0]}  # newest 3

@@ -73,7 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     credentials = console_cfg.credentials()
     if not credentials:
         credentials = [Credential("operator", hash_token(_token_file(run_dir)))]
-    return serve(console_cfg, credentials, endpoints, backend=cfg.env.backend, log_level=args.log_level)
+    return serve(
+        console_cfg,
+        credentials,
+        endpoints,
+        backend=cfg.env.backend,
+        metrics_path=run_dir / "metrics.jsonl",
+        log_level=args.log_level,
+    )
 
 
 def _token_file(run_dir: Path) -> str:
@@ -93,12 +100,14 @@ def serve(
     endpoints: dict[str, object],
     *,
     backend: str,
+    metrics_path: Path,
     log_level: str = "INFO",
 ) -> int:
     import uvicorn
 
     from gateway.console.app import ConsoleApp, create_app
     from gateway.console.link import GatewayLink
+    from gateway.console.metrics import MetricsTail
     from gateway.services import free_port
 
     port = cfg.port or free_port(cfg.host if cfg.host != "0.0.0.0" else "127.0.0.1")
@@ -111,6 +120,7 @@ def serve(
         origins=own_origins(cfg.host, port),
         link=link,
         clients_address=gateway["clients"],
+        metrics=MetricsTail(metrics_path),
     )
     link.start()
     try:

@@ -8,7 +8,8 @@
     uvicorn.run(app, host="127.0.0.1", port=8080)
 
 HTTP: ``POST /api/login {token}`` (sets an HttpOnly, SameSite=Strict session cookie),
-``POST /api/logout``, ``GET /api/me``, ``GET /api/fleet``, ``POST /api/estop`` (any
+``POST /api/logout``, ``GET /api/me``, ``GET /api/fleet``, ``GET /api/metrics`` (the
+training view's curves), ``POST /api/estop`` (any
 logged-in user), ``POST /api/resume`` (operators). WebSockets: ``/ws/fleet`` (the fleet
 view, pushed) and ``/ws/teleop`` (take over, commands, hold, release; pushed teleop
 state). Every WebSocket handshake and every POST checks the session and the Origin.
@@ -33,6 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from gateway.console.auth import Credential, Role, Sessions, authenticate, origin_allowed
 from gateway.console.config import ConsoleConfig
 from gateway.console.link import GatewayLink
+from gateway.console.metrics import MetricsTail
 from gateway.console.teleop import CommandError, TeleopLoop, TeleopSettings, parse_command
 from gateway.protocol import RemoteError, Timeout
 
@@ -53,6 +55,7 @@ class ConsoleApp:
     origins: set[str]
     link: GatewayLink
     clients_address: str
+    metrics: MetricsTail | None = None
     teleop: TeleopLoop | None = None
     teleop_owner: object | None = None
     teleop_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -130,6 +133,12 @@ def create_app(console: ConsoleApp) -> FastAPI:
         if role_of(request) is None:
             return _error(401, "not logged in")
         return JSONResponse(console.link.fleet())
+
+    @app.get("/api/metrics")
+    def metrics(request: Request) -> JSONResponse:
+        if role_of(request) is None:
+            return _error(401, "not logged in")
+        return JSONResponse({"series": console.metrics.series() if console.metrics else {}})
 
     # The e-stop path: a plain POST served from the thread pool with its own control
     # connection; it never waits for the WebSockets, the status poller or a takeover.

@@ -52,6 +52,7 @@ function showMain(newRole) {
   $("takeover").disabled = false;
   openFleet();
   openTeleop();
+  refreshMetrics();
 }
 
 function openFleet() {
@@ -92,6 +93,33 @@ function renderFleet(f) {
     select.replaceChildren(...f.workers.map((w) => new Option(w.uid, w.uid)));
   }
 }
+
+const charts = {};
+const METRICS_MS = 2000;
+
+async function refreshMetrics() {
+  if (!role) return;
+  let data;
+  try {
+    const response = await fetch("/api/metrics", { credentials: "same-origin" });
+    if (!response.ok) return;
+    data = await response.json();
+  } catch (e) { return; }
+  for (const [name, points] of Object.entries(data.series)) {
+    if (points.x.length < 2) continue;
+    const values = [points.x, points.y];
+    if (charts[name]) { charts[name].setData(values); continue; }
+    const box = document.createElement("figure");
+    box.dataset.series = name;
+    $("charts").append(box);
+    charts[name] = new uPlot(
+      { title: name, width: 420, height: 170, series: [{}, { label: name, stroke: "#06c", width: 1.5 }] },
+      values,
+      box,
+    );
+  }
+}
+setInterval(refreshMetrics, METRICS_MS);
 
 function openTeleop() {
   if (teleopSocket) return;
