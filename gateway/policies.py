@@ -14,6 +14,7 @@ baseline demonstrations. Task-specific ones live beside their task
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -161,6 +162,10 @@ class InProcessSource(ActionSource):
         self._done: list[tuple[Any, np.ndarray | None, np.ndarray | None, str | None]] = []
 
     def submit(self, key: Any, obs: Obs, deadline: float, deterministic: np.ndarray | None = None) -> None:
+        late = time.monotonic() - deadline
+        if late > 0:  # as an inference server would: no actions the caller no longer waits for
+            self._done.append((key, None, None, f"deadline passed {late:.3f} s before the policy ran"))
+            return
         # Scripted policies have one mode; RandomPolicy is random by design, also in evaluation.
         actions = self.policy.act(obs)
         n = len(actions)

@@ -39,12 +39,6 @@ class InProcessConformance(ActionSourceConformance):
         yield src
         src.close()
 
-    @pytest.mark.xfail(
-        strict=True, reason="InProcessSource.submit ignores the deadline and answers with actions"
-    )
-    def test_a_deadline_already_past_ends_in_an_error_not_a_hang(self, source) -> None:
-        super().test_a_deadline_already_past_ends_in_an_error_not_a_hang(source)
-
 
 class TestRandomPolicySourceConformance(InProcessConformance):
     kind = "random"

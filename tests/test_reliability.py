@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,8 @@ import yaml
 
 from gateway.client import GatewayVectorEnv
 from gateway.protocol import RunEnded
-from tests.conftest import REPO, time_left, wait_for
+from tests.conftest import time_left, wait_for
+from tests.test_trainer_e2e import up
 
 
 def external_config(tmp_path: Path, **blocks: Any) -> Path:
@@ -34,16 +34,6 @@ def external_config(tmp_path: Path, **blocks: Any) -> Path:
     path = tmp_path / "external.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def up(path: Path, run: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "gateway", "up", str(path), "--run-dir", str(run), *extra],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
 
 
 def clients_address(run: Path) -> str:
