@@ -45,7 +45,15 @@ from benchmarks.chaos_harness import Experiment, Harness
 
 log = logging.getLogger("loopgate.chaos")
 
-KILLS = ("kill.worker", "kill.gateway", "kill.inference", "kill.replay", "kill.trainer", "kill.supervisor")
+KILLS = (
+    "kill.worker",
+    "kill.gateway",
+    "kill.inference",
+    "kill.replay",
+    "kill.trainer",
+    "kill.supervisor",
+    "kill.all",
+)
 STOPS = ("stop.worker", "stop.gateway", "stop.inference", "stop.replay")
 OTHERS = ("disk.replay", "disk.spool", "link.worker", "fuzz")
 KINDS = KILLS + STOPS + OTHERS

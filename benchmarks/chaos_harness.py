@@ -42,7 +42,13 @@ from gateway.protocol import RemoteError, Timeout
 log = logging.getLogger("loopgate.chaos")
 
 REPO = Path(__file__).resolve().parents[1]
-NEEDS = {"inference": "inference", "replay": "replay", "trainer": "trainer-rank", "link": "link-worker"}
+NEEDS = {
+    "inference": "inference",
+    "replay": "replay",
+    "trainer": "trainer-rank",
+    "link": "link-worker",
+    "all": "supervisor",
+}
 
 
 def _sigterm_with_parent() -> None:
@@ -387,6 +393,12 @@ class Harness:
         t_kill = time.time()
         t0 = time.monotonic()
         self._kill(rec, "trainer-rank")
+        self._trainer_back(rec, t_kill, t0)
+
+    def _trainer_back(self, rec: FaultRecord, t_kill: float, t0: float) -> None:
+        """With a trainer in the run: wait until it reports updates again after ``t_kill``."""
+        if not self.baseline.get("trainer-rank"):
+            return
         first: list[int] = []
 
         def training() -> bool:
@@ -408,7 +420,7 @@ class Harness:
         assert sup is not None
         rec.target = f"supervisor {sup.pid}"
         before = self.acked()
-        t0 = time.monotonic()
+        t_kill, t0 = time.time(), time.monotonic()
         sup.kill()
         sup.wait()
         owned = {p.pid for p in self.exp.owned}
@@ -421,6 +433,31 @@ class Harness:
         rec.detail["orphans_gone_s"] = round(time.monotonic() - t0, 2)
         self.exp.up()
         self._recover(rec, before, sup.pid, t0)
+        self._trainer_back(rec, t_kill, t0)
+
+    def _kill_all(self, rec: FaultRecord) -> None:
+        """SIGKILL every process of the run at once (a host crash, the OOM killer, a
+        ``kill -9`` of the group): no service gets to stop or checkpoint; then
+        ``loopgate up`` on the same run folder continues it."""
+        owned = {p.pid for p in self.exp.owned}
+        pids = [p for v in run_pids(self.exp.run_dir).values() for p in v if p not in owned]
+        rec.target = f"{len(pids)} processes"
+        before = self.acked()
+        t_kill, t0 = time.time(), time.monotonic()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert self.exp.sup is not None
+        self.exp.sup.wait()
+
+        def gone() -> bool:
+            alive = {p for v in run_pids(self.exp.run_dir).values() for p in v}
+            return not alive & set(pids)
+
+        self.exp.wait("end of every process", gone, 30, sup_may_exit=True)
+        self.exp.up()
+        self._recover(rec, before, None, t0)
+        self._trainer_back(rec, t_kill, t0)
 
     def _stop(self, rec: FaultRecord, kind: str) -> None:
         pids = self.exp.pids().get(kind, [])
