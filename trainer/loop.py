@@ -41,9 +41,12 @@ from gateway.protocol import RemoteError, Timeout
 from trainer import checkpoint
 from trainer.algos import Algorithm, make_algorithm
 from trainer.distributed import World, from_rank0
-from trainer.publish import Publisher, full_state_dict
+from trainer.publish import Publisher, full_state_dict, last_published
 
 log = logging.getLogger(__name__)
+
+PUBLISHED = "published_version"
+"""File under ``<run>/checkpoints`` with the newest version the trainer published."""
 
 UNTRAINED_EVAL_HOLD_S = 120.0
 """Longest the trainer holds back publication for the untrained policy's evaluation round."""
@@ -107,6 +110,7 @@ class Trainer:
                 targets=targets,
                 onnx=cfg.inference.backend == "onnxruntime",
                 control=_Lagged(endpoints["gateway"]["control"], self.tc),
+                record=self.ckpt_dir / PUBLISHED,
             )
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl" if world.is_main else None, "trainer")
         self.stop_requested = False
@@ -267,13 +271,14 @@ class Trainer:
 
     def resume_version(self) -> None:
         """Never publish a version older than one already out (after a restart from a
-        checkpoint older than the last publication): continue from the gateway's view."""
-        seen = self.c.version
+        checkpoint older than the last publication): continue after the newest of the
+        run's record of publications and the gateway's view."""
+        seen = max(self.c.version, last_published(self.ckpt_dir / PUBLISHED))
         if self.control is not None:
             try:
                 status = self.control.request("status", timeout_s=10.0)
                 seen = max(
-                    self.c.version,
+                    seen,
                     int(status.get("trainer_version", 0)),
                     int(status.get("policy_version", 0)),
                 )

@@ -9,16 +9,23 @@ the trainer's version, for policy-lag accounting. A publication still in flight 
 the next one is due is superseded by the newer one, never queued behind it.
 
 Non-finite weights are never published: the publication is refused, counted and logged.
+
+Each version is written to ``record`` (``<run>/checkpoints/published_version``) before
+anyone hears of it, so a trainer restarted from an older checkpoint continues after it
+even when the gateway and the inference servers were restarted too and know no version
+(:func:`last_published`); a version number never names two different sets of weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,10 +71,12 @@ class Publisher:
         onnx: bool,
         control: Any | None,
         timeout_s: float = 30.0,
+        record: Path | None = None,
     ) -> None:
         from inference.weights import WeightsPublisher
 
         self.spec, self.net_config, self.onnx = spec, net_config, onnx
+        self.record = record
         self.control = control
         self.publisher = WeightsPublisher(targets, timeout_s=timeout_s) if targets else None
         self.published_version = 0
@@ -115,6 +124,8 @@ class Publisher:
                 log.error("version %d not published: non-finite values in %s", version, ", ".join(bad[:5]))
                 self._recycle(arrays)
                 continue
+            if self.record is not None:
+                record_published(self.record, version)
             try:
                 if self.control is not None:
                     # The gateway measures policy lag against when a version was made,
@@ -168,3 +179,19 @@ class Publisher:
         self._thread.join(timeout=30)
         if self.publisher is not None:
             self.publisher.close()
+
+
+def record_published(path: Path, version: int) -> None:
+    """Keep ``version`` as the newest one published (replaced atomically: a killed
+    process leaves the old number or the new one, never half of it)."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_text(f"{version}\n")
+    os.replace(tmp, path)
+
+
+def last_published(path: Path) -> int:
+    """The newest version :func:`record_published` kept under ``path``; 0 if none."""
+    try:
+        return int(path.read_text().strip() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
