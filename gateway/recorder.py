@@ -24,6 +24,7 @@ deduplicates it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -96,6 +97,8 @@ class Recorder:
             spool_dir, fsync=fsync, fsync_interval_s=fsync_interval_s, segment_bytes=1 << 62
         )
         self._ready: list[Message] = []
+        self.spool_error: str | None = None
+        """Why the last spool write failed (e.g. "No space left on device"), until one succeeds."""
         self.ack_latency = Histogram()
         """µs from a chunk's submission to the sink to its acknowledgement (the ``sink_ack`` hop)."""
         self._submitted_at: dict[str, float] = {}
@@ -178,14 +181,15 @@ class Recorder:
         arrays = (
             pack("final_obs", {k: np.asarray(v)[None] for k, v in final_obs.items()}) if final_obs else {}
         )
-        self._spool.append(
+        # An end the spool cannot take (disk full) is still cut into the episode's final
+        # chunk for the sink; only a restart before the disk frees up would see it open.
+        self._bookkeeping(
             Message(
                 MsgType.TRAJECTORY_CHUNK,
                 meta={"kind": "end", "episode": episode, "reason": reason},
                 arrays=arrays,
             )
         )
-        self._spool.commit()
         self._close(episode, reason, final_obs)
 
     def _close(self, episode: str, reason: str, final_obs: Mapping[str, np.ndarray] | None) -> None:
@@ -246,7 +250,8 @@ class Recorder:
             entries.append([cid, n])
             self.counters.chunks_acked += 1
         if entries:
-            self._append(Message(MsgType.TRAJECTORY_CHUNK, meta={"kind": "acked", "chunks": entries}))
+            # Without this record a restart resends those chunks, which the sink stores once.
+            self._bookkeeping(Message(MsgType.TRAJECTORY_CHUNK, meta={"kind": "acked", "chunks": entries}))
             self._trim()
         return len(entries)
 
@@ -261,11 +266,28 @@ class Recorder:
         return sum(n for _, _, n in self._inflight.values()) + sum(len(ep.rows) for ep in self.open.values())
 
     def _append(self, msg: Message) -> Any:
-        if self._spool.current_size > self.segment_bytes:
-            self._roll_with_snapshot()
-        pos = self._spool.append(msg)
-        self._spool.commit()
+        """Write a record; an ``OSError`` (disk full) is recorded in :attr:`spool_error`
+        and raised, a success clears it."""
+        try:
+            if self._spool.current_size > self.segment_bytes:
+                self._roll_with_snapshot()
+            pos = self._spool.append(msg)
+            self._spool.commit()
+        except OSError as exc:
+            if self.spool_error is None:
+                log.error("the spool cannot write: %s; collection holds until it can", exc)
+            self.spool_error = exc.strerror or str(exc)
+            raise
+        if self.spool_error is not None:
+            log.info("the spool writes again (after: %s)", self.spool_error)
+            self.spool_error = None
         return pos
+
+    def _bookkeeping(self, msg: Message) -> None:
+        """A record that only saves work after a restart (an episode end, acknowledged
+        chunks): a refused write is logged and the run goes on."""
+        with contextlib.suppress(OSError):
+            self._append(msg)
 
     def _trim(self) -> None:
         """Delete the oldest segments while every step in them is acknowledged."""

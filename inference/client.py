@@ -42,6 +42,9 @@ from gateway.transport import CurveKeys, connect, make_socket
 log = logging.getLogger(__name__)
 
 RETRYABLE = {ErrorCode.DEADLINE_EXCEEDED.value, ErrorCode.UNAVAILABLE.value}
+STALE_WAIT_S = 30.0
+"""How long the gateway waits for a server at the newest version before it accepts that
+every server is behind it (a rollback) and acts with the newest one they serve."""
 Result = tuple[Any, np.ndarray | None, np.ndarray | None, str | None]
 
 
@@ -112,7 +115,19 @@ class InferenceSource(ActionSource):
         self.waiting: list[Pending] = []
         self._done: list[Result] = []
         self._seq = 0
-        self.counters = {"submitted": 0, "answered": 0, "retried": 0, "failed": 0, "late_dropped": 0}
+        self.counters = {
+            "submitted": 0,
+            "answered": 0,
+            "retried": 0,
+            "failed": 0,
+            "late_dropped": 0,
+            "stale_dropped": 0,
+        }
+        self.newest_seen = 0
+        """The newest policy version any replica served: a replica behind it (restarted with
+        its initial weights) gets no requests until it catches up, so the acting policy never
+        goes back (unless every replica stays behind for ``STALE_WAIT_S``: a rollback)."""
+        self._all_behind_since: float | None = None
         for target in targets:
             self.add_replica(target)
 
@@ -196,8 +211,31 @@ class InferenceSource(ActionSource):
         except zmq.Again:  # not connected (or hopelessly backed up)
             return False
 
-    def _pick(self, pending: Pending) -> Replica | None:
+    def _current(self) -> list[Replica]:
+        """Live replicas serving the newest version seen (or every live one, once all of
+        them have stayed behind it for ``STALE_WAIT_S``: an operator's rollback)."""
         live = [r for r in self.replicas if r.up]
+        current = [r for r in live if r.version >= self.newest_seen]
+        now = time.monotonic()
+        if current or not live:
+            self._all_behind_since = None
+            return current
+        if self._all_behind_since is None:
+            self._all_behind_since = now
+            log.warning(
+                "every inference server serves a version below %d (restarted?); waiting up to %.0f s "
+                "for a newer publication before acting with an older policy",
+                self.newest_seen,
+                STALE_WAIT_S,
+            )
+        if now - self._all_behind_since < STALE_WAIT_S:
+            return []
+        self.newest_seen = max(r.version for r in live)
+        log.warning("no server caught up; acting with version %d from now on (a rollback)", self.newest_seen)
+        return [r for r in live if r.version >= self.newest_seen]
+
+    def _pick(self, pending: Pending) -> Replica | None:
+        live = self._current()
         fresh = [r for r in live if r.index not in pending.tried] or live
         if not fresh:
             return None
@@ -245,7 +283,11 @@ class InferenceSource(ActionSource):
                 log.info("inference server %s is up", replica.address)
                 self._flush_waiting()
             if "version" in msg.meta and isinstance(msg.meta["version"], int):
+                behind = replica.version < self.newest_seen
                 replica.version = msg.meta["version"]
+                self.newest_seen = max(self.newest_seen, replica.version)
+                if behind and replica.version >= self.newest_seen and self.waiting:
+                    self._flush_waiting()  # it caught up: what waited for a current server goes
             if msg.type is MsgType.HEARTBEAT:
                 replica.queue_rows = int(msg.meta.get("queue_rows", 0))
                 continue
@@ -255,7 +297,13 @@ class InferenceSource(ActionSource):
                 continue
             pending, _ = entry
             replica.rows -= pending.rows
-            if msg.type is MsgType.ACTION:
+            if msg.type is MsgType.ACTION and replica.version < self.newest_seen:
+                # Acted with an older policy than one already out: ask a current server.
+                self.counters["stale_dropped"] += 1
+                self._retry(
+                    pending, f"{replica.address} serves version {replica.version} < {self.newest_seen}"
+                )
+            elif msg.type is MsgType.ACTION:
                 replica.answered += 1
                 self.counters["answered"] += 1
                 self._done.append((pending.key, msg.arrays["action"], msg.arrays["policy_version"], None))
@@ -319,5 +367,5 @@ class InferenceSource(ActionSource):
                 else:
                     still.append(pending)
             self.waiting = still
-            if still and any(r.up for r in self.replicas):
+            if still and self._current():
                 self._flush_waiting()

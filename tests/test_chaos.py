@@ -79,7 +79,7 @@ def assert_held(report: dict[str, Any], kinds: list[str]) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)  # four faults, each waited out; a busy machine takes its time
 def test_killing_each_service_loses_and_duplicates_no_acknowledged_step(tmp_path):
     kinds = ["kill.worker", "kill.gateway", "kill.inference", "kill.replay"]
     assert_held(chaos(tmp_path, experiment(tmp_path, inference=True), kinds, seed=11), kinds)
@@ -96,7 +96,7 @@ def test_a_killed_supervisor_leaves_nothing_behind_and_up_again_continues_the_ru
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)  # four faults, each waited out; a busy machine takes its time
 def test_services_frozen_past_their_peers_timeouts_recover_without_loss(tmp_path):
     kinds = ["stop.worker", "stop.gateway", "stop.replay"]
     report = chaos(tmp_path, experiment(tmp_path), kinds, seed=13)
@@ -104,18 +104,11 @@ def test_services_frozen_past_their_peers_timeouts_recover_without_loss(tmp_path
     assert all(f["held_s"] > 2.0 for f in report["faults"])  # longer than worker_timeout_s
 
 
-SPOOL_ENOSPC = (
-    "the gateway does not survive a full spool disk: the spool's write raises OSError "
-    "(ENOSPC) out of Recorder.record, the gateway exits and is restarted into the same "
-    "error until the disk has room, instead of holding collection with a reason"
-)
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "kind",
-    ["disk.replay", pytest.param("disk.spool", marks=pytest.mark.xfail(reason=SPOOL_ENOSPC, strict=True))],
+    ["disk.replay", "disk.spool"],
 )
 def test_a_full_disk_holds_collection_with_a_reason_and_it_resumes_when_freed(tmp_path, kind):
     why = faults.can_mount()
@@ -123,7 +116,10 @@ def test_a_full_disk_holds_collection_with_a_reason_and_it_resumes_when_freed(tm
         pytest.skip(f"no size-limited filesystem here: {why}")
     report = chaos(tmp_path, experiment(tmp_path), [kind], seed=14)
     (fault,) = report["faults"]
-    assert fault["detail"]["held_reason"] == "backpressure", fault
+    # A full replay log makes the sink push back; a full spool holds at the gateway itself.
+    assert fault["detail"]["held_reason"] == {"disk.replay": "backpressure", "disk.spool": "storage"}[kind], (
+        fault
+    )
     assert_held(report, [kind])
 
 
@@ -185,13 +181,6 @@ def test_a_trainer_restarted_after_a_rank_or_the_whole_run_died_never_reuses_a_v
     assert report["check"]["trainer_version_regressions"] == 0
 
 
-STALE_SERVER = (
-    "a restarted inference server serves its initial weights (version 0) until the "
-    "trainer's next publication, so steps acted on after the restart carry a version "
-    "below the ones before it"
-)
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(420)
 def test_a_restarted_inference_server_never_acts_with_an_older_policy(tmp_path):
@@ -218,11 +207,9 @@ def test_a_restarted_inference_server_never_acts_with_an_older_policy(tmp_path):
     config.write_text(yaml.safe_dump(cfg))
     report = chaos(tmp_path, config, ["kill.inference"], seed=18)
     assert report["check"]["trainer_version"] > 0
-    regressions = report["check"]["stored_version_regressions"]
-    report["problems"] = [p for p in report["problems"] if "policy version went backwards" not in p]
+    # The gateway sends nothing to the restarted server until it serves the newest version.
+    assert report["check"]["stored_version_regressions"] == 0, report["check"]
     assert_held(report, ["kill.inference"])
-    if regressions:  # everything else held: only the known defect is left
-        pytest.xfail(f"{STALE_SERVER} ({regressions} env streams went back)")
 
 
 # ------------------------------------------------------------------ the harness itself

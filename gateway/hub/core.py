@@ -134,12 +134,15 @@ class Gateway:
             sink_blocked=self.recorder.sink.blocked,
             lag_exceeded=policy and self.lag_exceeded,
             evaluating=self.evaluator.running,
+            spool_failing=self.recorder.spool_error is not None,
         )
 
     def hold_message(self, reason: str) -> str:
         """What a held peer is told, in words a person can act on."""
         return HOLD_MESSAGES[reason].format(
-            budget=self.state.max_env_steps, sink=self.recorder.sink.describe()
+            budget=self.state.max_env_steps,
+            sink=self.recorder.sink.describe(),
+            spool=self.recorder.spool_error,
         )
 
     @property
@@ -264,7 +267,11 @@ class Gateway:
         # Durable before any ACTION leaves: the ACTION acknowledges these steps.
         if completed is not None:
             started = time.perf_counter()
-            written = self._spool(session, completed)
+            try:
+                written = self._spool(session, completed)
+            except OSError:  # disk full: not acknowledged; this observation waits (tick retries)
+                session.unspooled = msg
+                return
             self.timing.hops.add("spool_write", (time.perf_counter() - started) * 1e6)
         else:
             written = 0
@@ -519,6 +526,10 @@ class Gateway:
                 n = self.recorder.interrupt(uid)
                 log.warning("worker %s did not return after restart; %d episode(s) interrupted", uid, n)
             self._orphans_deadline = float("inf")
+        for session in [s for s in self.sessions.values() if s.unspooled is not None]:
+            msg, session.unspooled = session.unspooled, None
+            assert msg is not None
+            self.on_observation(session, msg)  # held again (unspooled) while the disk is full
         self.resubmit_waiting()
         if self.source is not None:
             self.source.tick()

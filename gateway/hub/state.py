@@ -32,6 +32,8 @@ HOLD_MESSAGES = {
     "paused": "collection is paused; steps resume with `resume`",
     "budget": "the step budget (max_env_steps={budget}) is reached",
     "backpressure": "the trajectory sink is not storing ({sink}); steps so far are safe in the spool",
+    "storage": "the gateway's spool cannot write ({spool}); collection holds until it can, and "
+    "nothing acknowledged is lost",
     "policy_lag": "the policy lags the trainer by more than max_policy_lag versions",
 }
 """What a held peer is told, by hold reason."""
@@ -58,10 +60,13 @@ class Collection:
     def budget_reached(self) -> bool:
         return self.max_env_steps is not None and self.env_steps >= self.max_env_steps
 
-    def hold_reason(self, *, sink_blocked: bool, lag_exceeded: bool, evaluating: bool) -> str | None:
+    def hold_reason(
+        self, *, sink_blocked: bool, lag_exceeded: bool, evaluating: bool, spool_failing: bool = False
+    ) -> str | None:
         """Why no step may be taken now, or None: ``estop``, ``draining`` (the run is
         ending), ``paused``, ``budget`` (spent, and no evaluation round running: evaluations
-        run outside the budget), ``backpressure`` (the sink is not storing) or
+        run outside the budget), ``storage`` (the spool cannot write: disk full),
+        ``backpressure`` (the sink is not storing) or
         ``policy_lag`` (callers pass ``lag_exceeded`` only for the experiment's own policy)."""
         if self.estopped:
             return "estop"
@@ -71,6 +76,8 @@ class Collection:
             return "paused"
         if self.budget_reached and not evaluating:
             return "budget"
+        if spool_failing:
+            return "storage"
         if sink_blocked:
             return "backpressure"
         if lag_exceeded:
@@ -111,6 +118,9 @@ class WorkerSession:
     """When it went to the action source (``perf_counter``, for the ``policy`` hop)."""
     trace: dict[str, Any] | None = None
     """A sampled step being traced: its timestamps so far (``trace.jsonl``)."""
+    unspooled: Message | None = None
+    """An observation whose steps the spool refused (disk full): handled again, and only
+    then answered, once the spool writes again."""
 
     def completed(self, msg: Message, info: StepInfo, rows: np.ndarray) -> Transitions:
         """The steps rows ``rows`` of observation ``msg`` complete: observation, action and
