@@ -159,8 +159,15 @@ class RunConfig:
     """Restarts of one crashed process before ``loopgate up`` gives up."""
     drain_timeout_s: float = 30.0
     """Time given to services to flush on shutdown before they are killed."""
+    nice: dict[str, int] = field(default_factory=dict)
+    """Scheduling niceness by service name or name prefix (``{trainer: 10}``): on a machine
+    the trainer shares with collection, a niced trainer leaves the cores to the latency
+    path first and still takes every idle cycle. Applied when each service starts."""
 
     def __post_init__(self) -> None:
+        for name, value in self.nice.items():
+            if not -20 <= value <= 19:
+                raise ConfigError(f"run.nice.{name} must be in -20..19, got {value}")
         if self.max_env_steps is not None and self.max_env_steps < 1:
             raise ConfigError(f"run.max_env_steps must be >= 1, got {self.max_env_steps}")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:

@@ -106,6 +106,13 @@ class Supervisor:
         env = {**os.environ, **s.env, **lifeline.child_env(), "PYTHONUNBUFFERED": "1"}
         # Own session: Ctrl-C reaches only the supervisor, which stops children in order.
         # The lifeline ends the child (and its children) if the supervisor dies first.
+        niceness = self.niceness(s.name)
+
+        def prepare_child() -> None:  # in the child, before exec
+            lifeline.die_with_parent()
+            if niceness:
+                os.nice(niceness)
+
         proc.popen = subprocess.Popen(
             s.argv,
             stdout=log_file,
@@ -113,11 +120,19 @@ class Supervisor:
             env=env,
             start_new_session=True,
             cwd=os.getcwd(),
-            preexec_fn=lifeline.die_with_parent,
+            preexec_fn=prepare_child,
         )
         log_file.close()
         proc.state = "running"
         log.debug("started %s (pid %d): %s", s.name, proc.popen.pid, " ".join(s.argv))
+
+    def niceness(self, name: str) -> int:
+        """``run.nice`` for service ``name``: its own entry, else the longest matching prefix."""
+        nice = self.cfg.run.nice
+        if name in nice:
+            return int(nice[name])
+        prefixes = [p for p in nice if name.startswith(p)]
+        return int(nice[max(prefixes, key=len)]) if prefixes else 0
 
     def start_all(self, ready: Any, should_stop: Any = lambda: False) -> None:
         """Start services group by group (same ``order``), waiting for ``ready(group)``

@@ -279,3 +279,27 @@ def test_a_gateway_stopped_by_a_signal_stores_what_it_acknowledged_before_it_exi
     assert final["draining"] and final["spooled_steps"] == 0 and final["open_episodes"] == 0
     count = EpisodeStore(run.run_dir / "episodes", readonly=True).count()
     assert count.stored_steps == final["acked_steps"] >= 200 and count.duplicate_steps == 0
+
+
+@pytest.mark.e2e
+def test_run_nice_lowers_the_priority_of_the_named_services_only(tmp_path):
+    """``run.nice`` by name prefix: every worker niced, the gateway untouched."""
+    run = tmp_path / "run"
+    path = external_config(tmp_path, env={"backend": "mujoco_reach", "workers": 2, "num_envs": 1})
+    proc = up(path, run, "--set", "run.nice={worker: 7}")
+    try:
+        clients_address(run)  # the run is up, its workers registered
+
+        def pids(pattern: str) -> list[int]:
+            found = subprocess.run(["pgrep", "-f", f"{pattern}.*{run}"], capture_output=True, text=True)
+            return [int(p) for p in found.stdout.split()]
+
+        wait_for(lambda: len(pids("gateway.worker")) == 2, what="both workers")
+        assert {os.getpriority(os.PRIO_PROCESS, p) for p in pids("gateway.worker")} == {7}
+        assert {os.getpriority(os.PRIO_PROCESS, p) for p in pids("gateway.hub")} == {0}
+        proc.send_signal(signal.SIGINT)
+    except BaseException:
+        proc.kill()
+        raise
+    _, summary = ended(proc, run)
+    assert summary["outcome"] == "interrupted"
