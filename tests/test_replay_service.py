@@ -6,11 +6,13 @@ kill it with SIGKILL or fill its disk, then count what the durable log holds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,19 @@ class Service:
         if self.control is not None:
             self.control.close()
             self.control = None
+
+
+@contextlib.contextmanager
+def running_service(tmp: Path) -> Iterator[Service]:
+    """A replay service with the default tables in ``tmp/run``, for a module's tests."""
+    procs = Procs(tmp)
+    try:
+        svc = Service(procs, tmp / "run").start()
+        yield svc
+        if svc.control is not None:
+            svc.control.close()
+    finally:
+        procs.kill_all()
 
 
 @pytest.fixture

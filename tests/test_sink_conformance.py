@@ -20,8 +20,7 @@ import pytest
 
 from gateway.store import EpisodeStore, StoreSink
 from tests.conformance.trajectory_sink import SinkUnderTest, TrajectorySinkConformance
-from tests.conftest import Procs
-from tests.test_replay_service import Service
+from tests.test_replay_service import Service, running_service
 from trainer.replay.log import LOG_DIR, read_log
 from trainer.replay.sink import ReplaySink
 
@@ -74,15 +73,8 @@ class TestStoreSinkConformance(TrajectorySinkConformance):
 
 @pytest.fixture(scope="module")
 def replay_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    tmp = tmp_path_factory.mktemp("replay-sink")
-    procs = Procs(tmp)
-    try:
-        svc = Service(procs, tmp / "run").start()
+    with running_service(tmp_path_factory.mktemp("replay-sink")) as svc:
         yield svc
-        if svc.control is not None:
-            svc.control.close()
-    finally:
-        procs.kill_all()
 
 
 @contextlib.contextmanager

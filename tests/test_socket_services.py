@@ -26,7 +26,7 @@ from tests.conformance.socket_service import ServiceUnderTest, SocketServiceConf
 from tests.conformance.trajectory_sink import episode_chunks
 from tests.conftest import GatewayRun, Procs, time_left, wait_for, write_config
 from tests.test_action_source_conformance import InferenceServer
-from tests.test_replay_service import Service
+from tests.test_replay_service import Service, running_service
 from trainer.replay.ingest import INGEST_LIMITS
 
 SPEC = experiment_spec("mujoco_reach", {})
@@ -278,15 +278,8 @@ class TestInferenceControlSocketSurvivesGarbage(InferenceSocket):
 
 @pytest.fixture(scope="module")
 def replay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    tmp = tmp_path_factory.mktemp("replay-garbage")
-    procs = Procs(tmp)
-    try:
-        svc = Service(procs, tmp / "run").start()
+    with running_service(tmp_path_factory.mktemp("replay-garbage")) as svc:
         yield svc
-        if svc.control is not None:
-            svc.control.close()
-    finally:
-        procs.kill_all()
 
 
 def replay_alive(svc: Service) -> bool:
