@@ -119,6 +119,8 @@ class Trainer:
         self._start = (time.monotonic(), 0, 0.0, 0.0)
         self._eval_history: list[float] = []
         self._budget_reached = False
+        self._probe: Any = None
+        """The line to the gateway a rank waiting for data asks whether collection is over."""
         self._held_round: int | None = None
         """Rank 0: the untrained policy's evaluation round, while publication waits for it."""
         self._held_since = 0.0
@@ -349,13 +351,12 @@ class Trainer:
         gateway = self.endpoints.get("gateway", {}).get("control")
         if gateway is None:
             return False
-        client = ControlClient(gateway)
+        if self._probe is None:  # rank 0's own control client, or one of this rank's
+            self._probe = self.control or ControlClient(gateway)
         try:
-            status = client.request("status", timeout_s=5.0)
+            status = self._probe.request("status", timeout_s=5.0)
         except (Timeout, RemoteError):
             return False
-        finally:
-            client.close()
         budget_spent = bool(status.get("budget_reached")) and self.tc.mode != "sync"
         return budget_spent or bool(status.get("draining"))
 
@@ -408,6 +409,8 @@ class Trainer:
         self.replay.close()
         if self.control is not None:
             self.control.close()
+        if self._probe is not None and self._probe is not self.control:
+            self._probe.close()
         self.metrics.close()
 
 
