@@ -290,8 +290,12 @@ def test_sigkill_during_ingest_loses_no_acknowledged_step(service):
         pump(sink, {c.meta["chunk_id"] for c in chunks} - acked, timeout=60)
         count = count_chunks(stored(svc.run_dir))
         assert count.stored_steps == 40 * 30 and count.duplicate_steps == 0 and count.duplicate_chunks == 0
-        status = svc.status()
-        assert status["tables"]["online"]["size"] == 40 * 30
+        # A chunk is acknowledged once durable; the service loop inserts it into the
+        # tables right after, so the last ones may still be on their way.
+        wait_for(
+            lambda: svc.status()["tables"]["online"]["size"] >= 40 * 30, what="every stored step in the table"
+        )
+        assert svc.status()["tables"]["online"]["size"] == 40 * 30
     finally:
         sink.close()
 
