@@ -124,6 +124,9 @@ setInterval(refreshMetrics, METRICS_MS);
 function openTeleop() {
   if (teleopSocket) return;
   teleopSocket = new WebSocket(wsUrl("/ws/teleop"));
+  teleopSocket.onopen = () => {
+    for (const text of pendingTeleop.splice(0)) teleopSocket.send(text);
+  };
   teleopSocket.onmessage = (event) => onTeleop(JSON.parse(event.data));
   teleopSocket.onclose = () => {
     teleopSocket = null;
@@ -132,8 +135,17 @@ function openTeleop() {
   };
 }
 
+// Take-over and release wait for the socket to open (a click right after login must not be
+// lost); commands and holds do not, since a stale one is worth nothing.
+const pendingTeleop = [];
+
 function sendTeleop(msg) {
-  if (teleopSocket && teleopSocket.readyState === WebSocket.OPEN) teleopSocket.send(JSON.stringify(msg));
+  const text = JSON.stringify(msg);
+  if (teleopSocket && teleopSocket.readyState === WebSocket.OPEN) teleopSocket.send(text);
+  else if (msg.type === "take_over" || msg.type === "release") {
+    pendingTeleop.push(text);
+    openTeleop();
+  }
 }
 
 function setControl(mine) {
