@@ -85,11 +85,17 @@ class CollectRun:
     for an action, and the baselines are measured without them competing for the CPUs.
     """
 
-    def __init__(self, num_envs: int, run_dir: Path) -> None:
+    def __init__(self, num_envs: int, run_dir: Path, *, workers: int | None = None) -> None:
+        """``num_envs`` split over ``workers`` (default: one worker per CPU, see :func:`split`)."""
         from gateway.config import from_dict
         from gateway.supervisor import ControlClient, Supervisor, prepare_run
 
-        self.workers, self.per_worker = split(num_envs, len(available_cpus()))
+        if workers is None:
+            self.workers, self.per_worker = split(num_envs, len(available_cpus()))
+        elif workers < 1 or num_envs % workers:
+            raise ValueError(f"{num_envs} envs do not split evenly over {workers} worker(s)")
+        else:
+            self.workers, self.per_worker = workers, num_envs // workers
         cfg = from_dict(
             {
                 "env": {
@@ -101,7 +107,7 @@ class CollectRun:
                 "policy": {"kind": POLICY},
                 "gateway": {"host": "127.0.0.1", "transport": "tcp"},
             },
-            name=f"bench-collect-n{num_envs}",
+            name=f"bench-collect-w{self.workers}e{self.per_worker}",
         )
         run, services, _ = prepare_run(cfg, run_dir, "INFO")
         self.supervisor = Supervisor(cfg, run, services)

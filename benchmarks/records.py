@@ -43,7 +43,7 @@ class Record:
     note: str = ""
     """How it was measured, where that is not obvious from the name."""
     target: str | None = None
-    """A goal on the ratio, ``"<= 2.5"`` or ``">= 2"``; reported, never asserted."""
+    """A goal on the ratio, ``"<= 2.5"``, ``">= 2"`` or ``"0.8 .. 1.2"``; reported, never asserted."""
 
     @classmethod
     def median_of(cls, name: str, values: Sequence[float], unit: str, **kwargs: Any) -> Record:
@@ -88,9 +88,12 @@ class Result:
 
 
 def _target_met(target: str, ratio: float) -> bool:
+    low, sep, high = target.partition("..")
+    if sep:  # a range, "0.8 .. 1.2"
+        return float(low) <= ratio <= float(high)
     op, _, bound = target.strip().partition(" ")
     if op not in _OPS:
-        raise ValueError(f"target {target!r} must look like '<= 2.5' or '>= 2'")
+        raise ValueError(f"target {target!r} must look like '<= 2.5', '>= 2' or '0.8 .. 1.2'")
     return bool(_OPS[op](ratio, float(bound)))
 
 

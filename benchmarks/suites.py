@@ -16,6 +16,7 @@ from typing import Any
 SUITES: dict[str, str] = {
     "gateway": "benchmarks.gateway_rtt:run",
     "collect": "benchmarks.collect:run",
+    "model": "benchmarks.model:run",
     "inference": "benchmarks.inference:run",
     "ros2": "benchmarks.ros2_latency:run",
     "replay": "benchmarks.replay:run",
