@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,9 +66,41 @@ class RecorderCounters:
     episodes_interrupted: int = 0
     chunks_submitted: int = 0
     chunks_acked: int = 0
+    intervention_steps: int = 0
+    """Of ``acked_steps``, those whose action came from a takeover (``intervention``)."""
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+    def status(self, recent: InterventionRate) -> dict[str, Any]:
+        """The step counters of the gateway's status (and ``metrics.jsonl``)."""
+        return {
+            "acked_steps": self.acked_steps,
+            "duplicate_resends": self.duplicate_resends,
+            "intervention_steps": self.intervention_steps,
+            "intervention_rate": round(recent.rate(), 4),
+        }
+
+
+class InterventionRate:
+    """The share of intervention steps among the last ``window`` steps recorded."""
+
+    def __init__(self, window: int = 1000) -> None:
+        self.window = window
+        self._batches: deque[tuple[int, int]] = deque()
+        self._steps = self._flagged = 0
+
+    def add(self, steps: int, flagged: int) -> None:
+        self._batches.append((steps, flagged))
+        self._steps += steps
+        self._flagged += flagged
+        while len(self._batches) > 1 and self._steps - self._batches[0][0] >= self.window:
+            n, k = self._batches.popleft()
+            self._steps -= n
+            self._flagged -= k
+
+    def rate(self) -> float:
+        return self._flagged / self._steps if self._steps else 0.0
 
 
 class Recorder:
@@ -87,6 +119,8 @@ class Recorder:
         self.sink = sink
         self.chunk_steps = chunk_steps
         self.counters = RecorderCounters()
+        self.interventions = InterventionRate()
+        """The intervention rate over the last steps recorded (``intervention_rate``)."""
         self.open: dict[str, OpenEpisode] = {}
         self.closed: OrderedDict[str, int] = OrderedDict()
         self._inflight: dict[str, tuple[str, Counter[int], int]] = {}
@@ -151,7 +185,8 @@ class Recorder:
 
     def _apply_steps(self, meta: Mapping[str, Any], steps: Transitions, segment: int) -> None:
         eval_flags = meta.get("eval") or [False] * len(steps)
-        index = steps.columns["step"]
+        index, flagged = steps.columns["step"], steps.columns["intervention"]
+        before = self.counters.acked_steps, self.counters.intervention_steps
         for i, episode in enumerate(steps.episodes):
             step = int(index[i])
             if self._is_duplicate(episode, step):
@@ -171,6 +206,9 @@ class Recorder:
             ep.next_step = step + 1
             self._seg_unacked[segment] += 1
             self.counters.acked_steps += 1
+            self.counters.intervention_steps += bool(flagged[i])
+        c = self.counters
+        self.interventions.add(c.acked_steps - before[0], c.intervention_steps - before[1])
 
     def end(self, episode: str, reason: str, final_obs: Mapping[str, np.ndarray] | None = None) -> None:
         """Close an episode (``terminated``, ``truncated`` or ``interrupted``) and flush it."""

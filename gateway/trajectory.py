@@ -16,6 +16,8 @@ as a ``TRAJECTORY_CHUNK`` message::
             t_capture      f64[T]     unix time the observation was captured
             t_action       f64[T]     unix time the action left the gateway
             step           i64[T]     index of the step within its episode
+            intervention   bool[T]    the action came from a takeover (a person at the
+                                      console or a script), not the experiment's policy
             final_obs/<key> [1, ...]  last observation (final chunks ending by
                                       termination or truncation only)
 
@@ -42,8 +44,13 @@ STEP_FIELDS: dict[str, str] = {
     "t_capture": "float64",
     "t_action": "float64",
     "step": "int64",
+    "intervention": "bool",
 }
 """Per-step scalar arrays of a chunk and their dtypes (besides ``obs/*`` and ``action``)."""
+
+ADDED_FIELDS: dict[str, object] = {"intervention": False}
+"""Step fields newer than the first spool and chunk format, with the value steps recorded
+before them get: spools, logs and stores written by an older version still read."""
 
 END_REASONS = ("terminated", "truncated", "interrupted")
 
@@ -67,7 +74,7 @@ class Transitions:
     record, and folds them into per-episode :class:`StepRows` that become chunks::
 
         t = Transitions(episodes, envs, obs, action, columns)   # columns: STEP_FIELDS
-        record = t.spool_arrays()            # obs/*, action, env, scalars f64[n, 8]
+        record = t.spool_arrays()            # obs/*, action, env, scalars f64[n, 9]
         again = Transitions.from_spool(episodes, record)
     """
 
@@ -80,7 +87,13 @@ class Transitions:
     action: np.ndarray
     """[n, ...]"""
     columns: dict[str, np.ndarray]
-    """The per-step scalars of :data:`STEP_FIELDS`, each [n]."""
+    """The per-step scalars of :data:`STEP_FIELDS`, each [n] (those of :data:`ADDED_FIELDS`
+    may be left out: they get their default)."""
+
+    def __post_init__(self) -> None:
+        for key, value in ADDED_FIELDS.items():
+            if key not in self.columns:
+                self.columns[key] = np.full(len(self.episodes), value, STEP_FIELDS[key])
 
     def __len__(self) -> int:
         return len(self.episodes)
@@ -106,7 +119,7 @@ class Transitions:
 
     def spool_arrays(self) -> dict[str, np.ndarray]:
         """As a spool record's arrays: the scalars travel as one float64 column block (one
-        frame, not eight; every value fits a float64 exactly)."""
+        frame, not nine; every value fits a float64 exactly)."""
         packed = np.empty((len(self), len(STEP_FIELDS)), dtype=np.float64)
         for j, key in enumerate(STEP_FIELDS):
             packed[:, j] = self.columns[key]
@@ -121,7 +134,12 @@ class Transitions:
     def from_spool(cls, episodes: list[str], arrays: Mapping[str, np.ndarray]) -> Transitions:
         """Inverse of :meth:`spool_arrays`."""
         packed = arrays["scalars"]
-        columns = {key: packed[:, j].astype(dt) for j, (key, dt) in enumerate(STEP_FIELDS.items())}
+        columns = {
+            key: packed[:, j].astype(dt)
+            if j < packed.shape[1]
+            else np.full(len(packed), ADDED_FIELDS[key], dt)
+            for j, (key, dt) in enumerate(STEP_FIELDS.items())
+        }
         return cls(
             list(episodes), np.asarray(arrays["env"]), unpack("obs", arrays), arrays["action"], columns
         )
@@ -148,13 +166,14 @@ class StepRows:
         return int(self.scalars["step"][0]) if self.action else -1
 
     def add(self, obs: Mapping[str, np.ndarray], action: np.ndarray, **scalars: Any) -> None:
-        """Append one step of this episode (``scalars``: every key of :data:`STEP_FIELDS`);
+        """Append one step of this episode (``scalars``: every key of :data:`STEP_FIELDS`,
+        those of :data:`ADDED_FIELDS` optional);
         a row of :class:`Transitions` is ``rows.add(*steps.row(i))``."""
         for key, value in obs.items():
             self.obs.setdefault(key, []).append(value)
         self.action.append(action)
         for key in STEP_FIELDS:
-            self.scalars[key].append(scalars[key])
+            self.scalars[key].append(scalars[key] if key in scalars else ADDED_FIELDS[key])
 
     def take(self, n: int) -> StepRows:
         """Split off the first ``n`` steps into a new :class:`StepRows`."""
@@ -201,8 +220,20 @@ class StepRows:
         return Message(MsgType.TRAJECTORY_CHUNK, meta=meta, arrays=arrays)
 
 
+def with_added_fields(msg: Message) -> Message:
+    """``msg`` with the :data:`ADDED_FIELDS` a chunk of an older version lacks filled in
+    (in place; returned for chaining)."""
+    if "step" in msg.arrays:
+        n = len(msg.arrays["step"])
+        for key, value in ADDED_FIELDS.items():
+            if key not in msg.arrays:
+                msg.arrays[key] = np.full(n, value, STEP_FIELDS[key])
+    return msg
+
+
 def validate_chunk(msg: Message) -> None:
-    """Raise :class:`ProtocolError` (BAD_REQUEST) naming what is wrong with a chunk."""
+    """Raise :class:`ProtocolError` (BAD_REQUEST) naming what is wrong with a chunk; a
+    chunk of an older version gets the step fields it lacks (:func:`with_added_fields`)."""
 
     def bad(text: str) -> ProtocolError:
         return ProtocolError(ErrorCode.BAD_REQUEST, f"trajectory chunk: {text}")
@@ -220,6 +251,7 @@ def validate_chunk(msg: Message) -> None:
         raise bad(f"chunk_id {meta['chunk_id']!r} does not match episode_id:first_step")
     if meta.get("end") not in (None, *END_REASONS):
         raise bad(f"end must be one of {END_REASONS} or null, got {meta.get('end')!r}")
+    with_added_fields(msg)
     obs = unpack("obs", msg.arrays)
     if not obs:
         raise bad("no obs/* arrays")
@@ -305,7 +337,7 @@ def assemble_episodes(chunks: Sequence[Message]) -> list[Episode]:
     """Group chunks by episode, drop duplicate steps, and concatenate in step order."""
     by_episode: dict[str, dict[int, Message]] = {}
     for msg in chunks:
-        by_episode.setdefault(msg.meta["episode_id"], {})[msg.meta["first_step"]] = msg
+        by_episode.setdefault(msg.meta["episode_id"], {})[msg.meta["first_step"]] = with_added_fields(msg)
     episodes = []
     for episode_id, parts in by_episode.items():
         ordered = [parts[k] for k in sorted(parts)]

@@ -4,7 +4,9 @@ A client attaches to one worker (HELLO ``{"role": "client", "num_envs": n}``, op
 naming the worker's ``uid``) and from then on that worker's observations go to the
 client instead of the policy; the client's RESET and STEP messages become the worker's
 resets and actions. Everything the worker does is still recorded like any other step
-(policy version: the client's ``version``, default 0).
+(policy version: the client's ``version``, default 0); the steps a client attached with
+``takeover: true`` drives are flagged ``intervention`` (the console's teleoperation is
+one), so they also reach the replay service's ``interventions`` tables.
 
 When the experiment's policy drives the workers (``policy.kind`` other than
 ``external``), attaching needs ``takeover: true`` in the HELLO: the policy gets the
@@ -45,6 +47,8 @@ class ClientState:
     reset_request: tuple[Any, Any] | None = None
     """A reset asked for while the worker was busy: (seed, options)."""
     version: int = 0
+    takeover: bool = False
+    """Attached with ``takeover: true``: its steps are interventions."""
     held: Message | None = None
     """A RESET or STEP that a stop state holds back (see :meth:`ClientRouter.release_held`)."""
     held_notice: float = 0.0
@@ -135,7 +139,9 @@ class ClientRouter:
             )
         session = free[0]
         session.client = route
-        self.clients[route] = ClientState(route, session.uid, now, version=int(msg.meta.get("version", 0)))
+        self.clients[route] = ClientState(
+            route, session.uid, now, version=int(msg.meta.get("version", 0)), takeover=takeover
+        )
         assert self.hub.spec is not None
         meta = {"worker": session.uid, "num_envs": session.num_envs, "spec": self.hub.spec.to_dict()}
         send(self.sock, Message(MsgType.WELCOME, seq=msg.seq, meta=meta), route=[route])
@@ -227,6 +233,8 @@ class ClientRouter:
         action = self._check_step(state, msg)
         state.waiting_seq = msg.seq
         versions = np.full(session.num_envs, state.version, dtype=np.int64)
+        if state.takeover:
+            session.takeover_seq = session.awaiting
         self.hub.send_action(session, session.awaiting, np.array(action), versions)
 
     def forward_observation(self, session: WorkerSession, msg: Message) -> None:

@@ -121,6 +121,9 @@ class WorkerSession:
     unspooled: Message | None = None
     """An observation whose steps the spool refused (disk full): handled again, and only
     then answered, once the spool writes again."""
+    takeover_seq: int | None = None
+    """Seq of the last observation a takeover client answered (:mod:`gateway.hub.clients`):
+    the steps the next observation completes are interventions."""
 
     def completed(self, msg: Message, info: StepInfo, rows: np.ndarray) -> Transitions:
         """The steps rows ``rows`` of observation ``msg`` complete: observation, action and
@@ -155,6 +158,7 @@ class WorkerSession:
             "t_capture": t_capture,
             "t_action": t_action,
             "step": np.asarray(step, dtype=np.int64),
+            "intervention": np.full(len(rows), self.takeover_seq == self.last_seq),
         }
         ids = [episode_id(self.uid, r, int(e)) for r, e in zip(rows.tolist(), np.asarray(episode).tolist())]
         return Transitions(ids, rows, obs, action, columns)

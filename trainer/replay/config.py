@@ -13,8 +13,10 @@ online data, as RLPD and HIL-SERL sample)::
         - {name: demos, source: demos, sampler: uniform, max_size: 50000}
 
 ``source`` says which chunks feed a table: ``online`` (the gateway's, evaluation
-episodes excluded: chunks whose meta has ``eval: true`` never reach a table) or
-``demos`` (episodes imported from earlier runs).
+episodes excluded: chunks whose meta has ``eval: true`` never reach a table),
+``interventions`` (those of the gateway's steps whose action came from a takeover, e.g.
+the console's teleoperation: the HIL-SERL recipe samples them 50/50 with ``online``) or
+``demos`` (episodes imported from earlier runs or recorded at the console).
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ class TableConfig:
 
     name: str = "online"
     """Name the trainer samples by."""
-    source: Literal["online", "demos"] = "online"
-    """Which chunks feed it: the gateway's (``online``) or imported demonstrations (``demos``)."""
+    source: Literal["online", "interventions", "demos"] = "online"
+    """Which chunks feed it: the gateway's (``online``), the gateway's steps an operator or
+    script took over (``interventions``: flagged ``intervention``; they reach ``online``
+    tables too), or demonstrations (``demos``: imported or recorded at the console)."""
     item: ItemKind = "transition"
     """``transition`` (one step and the next observation), ``nstep`` or ``sequence`` (fixed-length slice)."""
     n_step: int = 3

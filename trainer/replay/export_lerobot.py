@@ -13,7 +13,8 @@
 Frame columns: ``observation.state`` (the float observations concatenated, names in
 ``info.json``), ``action``, ``next.reward``, ``next.done``, ``next.success``,
 ``policy_version``, ``timestamp``, ``frame_index``, ``episode_index``, ``index``,
-``task_index``. Camera observations (u8 [H, W, 3]) become videos
+``task_index``, and ``intervention`` (the action came from a takeover, e.g. the
+console's teleoperation) when any exported step is one. Camera observations (u8 [H, W, 3]) become videos
 (:mod:`trainer.replay.export_video`), each episode's span in them given by
 ``videos/<key>/from_timestamp`` / ``to_timestamp``.
 
@@ -22,7 +23,8 @@ computed per episode for every feature, the index columns and flags included, an
 aggregated into ``stats.json`` by LeRobot's rules (:mod:`trainer.replay.export_stats`),
 so LeRobot's tools that rebuild ``stats.json`` from the episodes get the same numbers.
 Episode rows also carry loopgate's own ``loopgate/*`` columns (id, end, eval, worker,
-env, source), which LeRobot keeps and ignores.
+env, source, the number of intervention steps, and the operator's label and note from
+the console: ``success``, ``failure`` or empty), which LeRobot keeps and ignores.
 """
 
 from __future__ import annotations
@@ -118,12 +120,12 @@ def _hf_features(features: dict[str, Any]) -> dict[str, Any]:
 
 
 def _frame_columns(
-    ep: Episode, index: int, offset: int, state_keys: list[str], fps: float, task: int
+    ep: Episode, index: int, offset: int, state_keys: list[str], fps: float, task: int, interventions: bool
 ) -> dict[str, np.ndarray]:
     n = ep.num_steps
     done = np.zeros(n, bool)
     done[-1] = ep.end in ("terminated", "truncated")
-    return {
+    own = {
         "observation.state": np.concatenate(
             [np.asarray(ep.arrays[f"obs/{k}"], np.float32).reshape(n, -1) for k in state_keys], axis=1
         ),
@@ -132,12 +134,20 @@ def _frame_columns(
         "next.done": done,
         "next.success": np.asarray(ep.arrays["success"], bool),
         "policy_version": np.asarray(ep.arrays["policy_version"], np.int64),
+    }
+    if interventions:
+        own["intervention"] = _interventions(ep)
+    return own | {
         "timestamp": (np.arange(n) / fps).astype(np.float32),
         "frame_index": np.arange(n, dtype=np.int64),
         "episode_index": np.full(n, index, np.int64),
         "index": np.arange(offset, offset + n, dtype=np.int64),
         "task_index": np.full(n, task, np.int64),
     }
+
+
+def _interventions(ep: Episode) -> np.ndarray:
+    return np.asarray(ep.arrays.get("intervention", np.zeros(ep.num_steps, bool)), bool)
 
 
 def _arrow_frames(columns: dict[str, np.ndarray]) -> Any:
@@ -153,7 +163,12 @@ def _arrow_frames(columns: dict[str, np.ndarray]) -> Any:
 
 
 def _features(
-    first: Episode, state_keys: list[str], cameras: list[str], encoder: VideoEncoder | None, fps: float
+    first: Episode,
+    state_keys: list[str],
+    cameras: list[str],
+    encoder: VideoEncoder | None,
+    fps: float,
+    interventions: bool = False,
 ) -> dict[str, Any]:
     """``info.json``'s features, in the order LeRobot lists them."""
     names: list[str] = []
@@ -167,6 +182,8 @@ def _features(
     }
     own = {k: t for k, t in SCALARS.items() if k not in DEFAULT_FEATURES}
     features |= {k: {"dtype": t, "shape": [1], "names": None} for k, t in own.items()}
+    if interventions:
+        features["intervention"] = {"dtype": "bool", "shape": [1], "names": None}
     for key in cameras:
         assert encoder is not None
         shape = first.arrays[f"obs/{key}"].shape[1:]
@@ -222,6 +239,9 @@ def _episode_row(
         "loopgate/worker": str(ep.meta.get("worker", "")),
         "loopgate/env": int(ep.meta.get("env", -1)),
         "loopgate/source": str(ep.meta.get("source", "online")),
+        "loopgate/interventions": int(_interventions(ep).sum()),
+        "loopgate/label": str(ep.meta.get("label") or ""),
+        "loopgate/note": str(ep.meta.get("note") or ""),
     }
 
 
@@ -254,7 +274,8 @@ def write_lerobot(
     tasks = sorted({_task(ep) for ep in episodes})
     task_index = {t: i for i, t in enumerate(tasks)}
     encoder = pick_encoder() if cameras else None
-    features = _features(first, state_keys, cameras, encoder, fps)
+    interventions = any(_interventions(ep).any() for ep in episodes)
+    features = _features(first, state_keys, cameras, encoder, fps, interventions)
     # The frames file carries the schema metadata `datasets` writes, so it types the columns alike.
     hf_meta = {b"huggingface": json.dumps({"info": {"features": _hf_features(features)}}).encode()}
 
@@ -266,7 +287,7 @@ def write_lerobot(
     offset = 0
     try:
         for index, ep in enumerate(episodes):
-            columns = _frame_columns(ep, index, offset, state_keys, fps, task_index[_task(ep)])
+            columns = _frame_columns(ep, index, offset, state_keys, fps, task_index[_task(ep)], interventions)
             table = _arrow_frames(columns).replace_schema_metadata(hf_meta)
             if writer is None:
                 writer = pq.ParquetWriter(data_file, table.schema)

@@ -13,6 +13,7 @@ env's timeline. Every message is stamped (header and log time) with the capture 
 | ``/env_<n>/observation/<key>`` | ``std_msgs/msg/Float32MultiArray`` | every other observation |
 | ``/env_<n>/action`` | ``std_msgs/msg/Float32MultiArray`` | the action taken |
 | ``/env_<n>/reward`` | ``std_msgs/msg/Float32`` | the reward that followed |
+| ``/env_<n>/intervention`` | ``std_msgs/msg/Bool`` | ``true`` at each step whose action came from a takeover (the console's teleoperation); absent at the policy's |
 | ``/env_<n>/episode`` | ``std_msgs/msg/String`` | JSON at each episode's first step (:data:`EPISODE_FIELDS`) |
 
 Header ``frame_id`` is the episode id, so a viewer can tell episodes apart. The file's
@@ -57,13 +58,26 @@ MSGDEFS: dict[str, str] = {
         f"{SEP}MSG: std_msgs/MultiArrayDimension\n{DIMENSION}"
     ),
     "std_msgs/msg/Float32": "float32 data\n",
+    "std_msgs/msg/Bool": "bool data\n",
     "std_msgs/msg/String": "string data\n",
 }
 
 NAMESPACE = "/env_{index}"
 CAMERA_TOPIC = "/camera/{key}/image_raw"
 JOINT_KEYS = ("joint_pos", "joint_vel")
-EPISODE_FIELDS = ("episode_id", "task", "end", "eval", "source", "worker", "env", "steps")
+EPISODE_FIELDS = (
+    "episode_id",
+    "task",
+    "end",
+    "eval",
+    "source",
+    "worker",
+    "env",
+    "steps",
+    "interventions",
+    "label",
+    "note",
+)
 """Keys of the JSON on ``/env_<n>/episode``."""
 
 
@@ -116,6 +130,9 @@ def _episode_info(ep: Episode) -> str:
         "worker": ep.meta.get("worker"),
         "env": ep.meta.get("env"),
         "steps": ep.num_steps,
+        "interventions": int(np.count_nonzero(ep.arrays.get("intervention", ()))),
+        "label": ep.meta.get("label"),
+        "note": ep.meta.get("note"),
     }
     return json.dumps(info)
 
@@ -158,6 +175,8 @@ def _step_messages(
             out.append((f"/observation/{key}", "std_msgs/msg/Float32MultiArray", _array(arr[i], key)))
     out.append(("/action", "std_msgs/msg/Float32MultiArray", _array(ep.arrays["action"][i], "action")))
     out.append(("/reward", "std_msgs/msg/Float32", {"data": float(ep.arrays["reward"][i])}))
+    if "intervention" in ep.arrays and ep.arrays["intervention"][i]:
+        out.append(("/intervention", "std_msgs/msg/Bool", {"data": True}))
     return out
 
 

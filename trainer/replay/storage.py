@@ -7,7 +7,9 @@ go and tables drop the items that refer to them (``on_evict``). An episode's las
 observation (``final_obs``) gets a row of its own.
 
 :class:`EpisodeIndex` takes chunks in arrival order, appends their steps to the store and
-turns them into items for the tables fed by the chunk's source. An item is a few row
+turns them into items for the tables fed by the chunk's source (``interventions``
+tables take the items of online chunks whose first step is flagged ``intervention``,
+besides the ``online`` tables that take every item). An item is a few row
 numbers (``rows``: one for a transition, up to ``n`` for an n-step item, ``L`` for a
 sequence) and ``boot``, the row of the observation after it. A chunk's last step becomes
 an item only once the next observation is known: from the episode's next chunk or from
@@ -26,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gateway.protocol import ErrorCode, Message, ProtocolError, unpack
+from gateway.trajectory import with_added_fields
 from trainer.replay.config import TableConfig
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,7 @@ STORED_FIELDS: dict[str, str] = {
     "success": "bool",
     "policy_version": "int64",
     "step": "int64",
+    "intervention": "bool",
 }
 """Per-step scalars kept besides ``obs/*`` and ``action``."""
 
@@ -182,6 +186,7 @@ def step_arrays(chunk: Message) -> dict[str, np.ndarray]:
     """The columns a chunk contributes to the store, one row per step."""
     arrays: dict[str, np.ndarray] = {f"obs/{k}": v for k, v in unpack("obs", chunk.arrays).items()}
     arrays["action"] = chunk.arrays["action"]
+    with_added_fields(chunk)  # a chunk logged by an older version has no intervention flags
     for key in STORED_FIELDS:
         arrays[key] = chunk.arrays[key]
     return arrays
@@ -240,11 +245,20 @@ class EpisodeIndex:
         for table in self.tables:
             if table.source == source:
                 out.setdefault(table.name, []).append(self._emit(ep, table))
+            elif table.source == "interventions" and source == "online":
+                out.setdefault(table.name, []).append(self._interventions(self._emit(ep, table)))
         nxt = ep.held.pop(ep.next_step, None)
         if ep.end is not None:
             del self.episodes[episode_id]
         elif nxt is not None:
             self._add(nxt, source, out)
+
+    def _interventions(self, items: Items) -> Items:
+        """The items whose first step's action was an intervention (a takeover's)."""
+        if not len(items):
+            return items
+        keep = self.store.take("intervention", items.rows[:, 0])
+        return Items(items.rows[keep], items.boot[keep])
 
     def _next_obs_row(self, ep: OpenEpisode, j: int) -> int | None:
         if j + 1 < len(ep.rows):
