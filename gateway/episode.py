@@ -17,7 +17,8 @@ Gymnasium semantics and a leading env dimension on every array::
 ``info`` maps names to arrays with the leading env dimension (``"success"``: bool) and,
 for backends with ``SAME_STEP`` autoreset, on steps where some episode ended,
 ``"final_obs"``: a dict of observation arrays (rows of envs that did not finish are
-meaningless). Arrays a backend returns belong to the caller: the backend must not
+meaningless), unless the backend declares ``provides_final_obs = False`` (its simulator
+keeps no terminal observation). Arrays a backend returns belong to the caller: the backend must not
 refill them on a later step (the worker sends them without copying). Everything in
 loopgate adapts to these semantics; backends adapt their simulator or robot to them,
 never the reverse.
@@ -301,6 +302,12 @@ class EpisodeBackend(abc.ABC):
     """Size of the leading env dimension of every array."""
     autoreset_mode: AutoresetMode = AutoresetMode.SAME_STEP
     """When finished envs are reset; loopgate's own backends use ``SAME_STEP``."""
+    provides_final_obs: bool = True
+    """Whether ``info["final_obs"]`` holds the last observation of each episode that
+    ended. Simulators that reset in the same step and keep no terminal observation
+    (Isaac Lab, mjlab: :mod:`sim_bridges.batched`) say False and never set it, so the
+    reset observation is never stored as the old episode's terminal state; their
+    episodes end without a final observation."""
 
     @abc.abstractmethod
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, Info]:

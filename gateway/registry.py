@@ -14,6 +14,7 @@ BACKENDS: dict[str, str] = {
     "gymnasium": "sim_bridges.gymnasium:GymnasiumBackend",
     "ros2": "robots.ros2:Ros2Backend",
     "counter": "sim_bridges.counter:CounterBackend",
+    "mjlab": "sim_bridges.mjlab:MjlabBackend",
 }
 """Episode backends by the name ``env.backend`` uses."""
 

@@ -237,6 +237,12 @@ class EpisodeBackendConformance:
             assert not np.any(truncated & (age < limit)), f"step {t}: truncated before the limit, ages {age}"
             assert np.all(truncated | terminated | (age < limit)), f"step {t}: no truncation at the limit"
             done = terminated | truncated
+            if not backend.provides_final_obs:
+                # No terminal observation exists (Isaac Lab's autoreset): nothing may pose as one.
+                assert "final_obs" not in info, f"step {t}: final_obs set by a backend that provides none"
+                truncations += int(np.count_nonzero(truncated))
+                age[done] = 0
+                continue
             if not done.any():
                 assert "final_obs" not in info or backend.spec.check_observation(info["final_obs"], n) == []
                 continue
