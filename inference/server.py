@@ -44,6 +44,7 @@ import zmq
 from gateway import lifeline
 from gateway.config import ConfigError, to_plain
 from gateway.episode import EnvSpec
+from gateway.gpu_stats import for_device
 from gateway.metrics import MetricsWriter
 from gateway.protocol import (
     ErrorCode,
@@ -97,6 +98,7 @@ class InferenceServer:
         self.limits = limits or Limits()
         self.metrics = metrics or MetricsWriter(None, f"inference-{index}")
         self.backend = backend or make_backend(spec, config)
+        self.gpu = for_device(str(self.backend.describe().get("device", "cpu")))
         policy = self.backend.initial()
         self.stats = Stats()
         self.batcher = Batcher(
@@ -408,6 +410,7 @@ class InferenceServer:
                 "queue_requests": requests,
                 "queue_rows": rows,
                 **self.stats.snapshot(),
+                **({"gpu": self.gpu.snapshot()} if self.gpu is not None else {}),
             }
         )
 
@@ -418,6 +421,8 @@ class InferenceServer:
         for sock in (*self.socks.values(), self._pull):
             sock.close(linger=0)
         self.metrics.close()
+        if self.gpu is not None:
+            self.gpu.close()
 
 
 # ---------------------------------------------------------------------- main

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from gateway.config import ExperimentConfig
 from gateway.episode import EnvSpec
+from gateway.gpu_stats import for_device
 from gateway.metrics import MetricsWriter
 from gateway.protocol import RemoteError, Timeout
 from trainer import checkpoint
@@ -113,6 +114,7 @@ class Trainer:
                 record=self.ckpt_dir / PUBLISHED,
             )
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl" if world.is_main else None, "trainer")
+        self.gpu = for_device(str(world.device)) if world.is_main else None
         self.stop_requested = False
         self.stop_reason = ""
         self._last_eval_round = 0
@@ -340,6 +342,7 @@ class Trainer:
                 "skipped_updates": self.c.skipped,
                 **self.c.stats,
                 "publications_refused": self.publisher.refused if self.publisher else 0,
+                **({"gpu": self.gpu.snapshot()} if self.gpu is not None else {}),
             }
         )
 
