@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 # CPU machines must get PyTorch's CPU build: a plain `torch` from PyPI is a multi-GB
 # CUDA build. Local wheels (find-links) or PyTorch's CPU index provide it.
 TORCH_INDEX ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,$(if $(shell command -v nvidia-smi 2>/dev/null),,--extra-index-url https://download.pytorch.org/whl/cpu))
-EXTRAS ?= dev,train,export,ros2,console
+EXTRAS ?= dev,train,export,ros2,console,ray
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 export MUJOCO_GL ?= egl

@@ -14,6 +14,7 @@ from gateway import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("gateway.supervisor:main", "start and supervise every process of an experiment"),
+    "scale": ("gateway.engines.scaling:main", "env workers join or leave a live run (env.workers=N)"),
     "gateway": ("gateway.hub.__main__:main", "run the gateway process"),
     "worker": ("gateway.worker:main", "run an env worker (a batch of envs of one backend)"),
     "inference": (

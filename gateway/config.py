@@ -32,6 +32,7 @@ __all__ = [
     "EnvConfig",
     "ExperimentConfig",
     "GatewayConfig",
+    "Placement",
     "PolicyConfig",
     "RunConfig",
     "build",
@@ -54,8 +55,14 @@ class EnvConfig:
     """Base seed; worker ``w`` seeds env ``i`` with ``seed + 1000 * w + i``."""
     options: dict[str, Any] = field(default_factory=dict)
     """Backend-specific options, validated by the backend's own ``Config``."""
+    python: str | None = None
+    """Interpreter of the env workers when the simulator lives in another venv
+    (``.venv-mjlab/bin/python``, an Isaac Sim venv); relative to where ``loopgate up`` runs.
+    It needs loopgate installed with the ``worker`` extra; the env spec is read there too."""
 
     def __post_init__(self) -> None:
+        if self.python is not None and not self.python.strip():
+            raise ConfigError("env.python must be a path to a Python interpreter, got an empty string")
         if self.backend not in BACKENDS:
             raise ConfigError(
                 f"env.backend: unknown backend {self.backend!r}; known: {', '.join(sorted(BACKENDS))}"
@@ -144,6 +151,34 @@ class GatewayConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where one service (or each trainer rank) may run under ``run.engine: ray``, and what it
+    reserves there. Ignored by the local engine."""
+
+    num_cpus: float = 1.0
+    """CPUs it reserves (Ray's logical CPUs: a reservation, not a limit)."""
+    num_gpus: float = 0.0
+    """GPUs it reserves (an inference replica, a trainer rank); Ray sets ``CUDA_VISIBLE_DEVICES``."""
+    memory_mb: int = 0
+    """Memory it reserves, in MiB (0: none)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom resources it needs (``{robot_arm0: 1}``): only nodes started with them qualify."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Node labels it needs (``{loopgate/host: arm0}``), matched by Ray's label selector."""
+
+    def __post_init__(self) -> None:
+        # ValueError, not ConfigError: ``build`` prefixes the path (``run.placement.worker``).
+        for name in ("num_cpus", "num_gpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.memory_mb < 0:
+            raise ValueError(f"memory_mb must be >= 0, got {self.memory_mb}")
+        for key, amount in self.resources.items():
+            if not amount > 0:
+                raise ValueError(f"resources.{key} must be > 0, got {amount}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """The run as a whole: budget, run folder, supervision."""
 
@@ -163,6 +198,25 @@ class RunConfig:
     """Scheduling niceness by service name or name prefix (``{trainer: 10}``): on a machine
     the trainer shares with collection, a niced trainer leaves the cores to the latency
     path first and still takes every idle cycle. Applied when each service starts."""
+    engine: Literal["local", "ray"] = "local"
+    """Who starts and watches the services: ``local`` (child processes of ``loopgate up``) or
+    ``ray`` (one Ray actor per service on a Ray cluster; ``loopgate up --ray ADDRESS``)."""
+    ray_address: str | None = None
+    """Ray cluster to join with ``engine: ray`` (``auto``: ``RAY_ADDRESS``); ``None`` starts a
+    one-machine Ray instance for the run."""
+    placement: dict[str, Placement] = field(default_factory=dict)
+    """Under ``engine: ray``: resources and node constraints by service name or name prefix
+    (``{inference: {num_gpus: 1}, worker-0: {resources: {robot_arm0: 1}}}``); the longest
+    matching entry wins; ``trainer`` applies to each rank."""
+    trainer_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the trainer's ranks share nodes: Ray placement group strategy of their bundles."""
+
+    def placement_for(self, name: str) -> Placement:
+        """``placement`` for service ``name``: its own entry, else the longest matching prefix."""
+        if name in self.placement:
+            return self.placement[name]
+        prefixes = [p for p in self.placement if name.startswith(p)]
+        return self.placement[max(prefixes, key=len)] if prefixes else Placement()
 
     def __post_init__(self) -> None:
         for name, value in self.nice.items():

@@ -34,6 +34,8 @@ from typing import Any
 from gateway import lifeline
 from gateway.config import ConfigError, ExperimentConfig, load_config
 from gateway.control_client import ControlClient
+from gateway.engines import open_engine
+from gateway.engines.scaling import serve_requests
 from gateway.factory import experiment_spec
 from gateway.live import LiveView
 from gateway.metrics import Histogram, MetricsWriter
@@ -92,8 +94,13 @@ class Proc:
 
 
 class Supervisor:
-    def __init__(self, cfg: ExperimentConfig, run: RunContext, services: list[Service]) -> None:
+    def __init__(
+        self, cfg: ExperimentConfig, run: RunContext, services: list[Service], launcher: Any = None
+    ) -> None:
         self.cfg, self.run = cfg, run
+        self.launcher = launcher
+        """Starts processes elsewhere (``gateway.engines``: a Ray actor per service); ``None``:
+        child processes of this one."""
         self.procs = {s.name: Proc(s) for s in sorted(services, key=lambda s: s.order)}
         self.logs = run.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -102,6 +109,12 @@ class Supervisor:
 
     def start(self, proc: Proc) -> None:
         s = proc.service
+        if self.launcher is not None:
+            extra = {**s.env, **lifeline.child_env(), "PYTHONUNBUFFERED": "1"}
+            proc.popen = self.launcher.start(s, self.logs / f"{s.name}.log", extra, self.niceness(s.name))
+            proc.state = "running"
+            log.debug("started %s through the %s: %s", s.name, type(self.launcher).__name__, " ".join(s.argv))
+            return
         log_file = open(self.logs / f"{s.name}.log", "ab")  # noqa: SIM115 - owned by the child process
         env = {**os.environ, **s.env, **lifeline.child_env(), "PYTHONUNBUFFERED": "1"}
         # Own session: Ctrl-C reaches only the supervisor, which stops children in order.
@@ -175,8 +188,7 @@ class Supervisor:
             proc.last_exit = code
             # Take down whatever the process left behind in its session (e.g. the
             # ranks of a torchrun launcher that was killed) before anything restarts.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.popen.pid, signal.SIGKILL)
+            self.end_session(proc)
             s = proc.service
             if code == 0 and s.finishes:
                 proc.state = "finished"
@@ -240,12 +252,41 @@ class Supervisor:
                 proc.popen.kill()
                 proc.popen.wait()
             # Whatever it left in its session (torchrun's ranks) goes with it.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.popen.pid, signal.SIGKILL)
+            self.end_session(proc)
             proc.state = "stopped" if proc.state == "stopping" else proc.state
 
+    def end_session(self, proc: Proc) -> None:
+        """SIGKILL what is left of a process's session (its actor too, under a launcher)."""
+        if proc.popen is None:
+            return
+        if self.launcher is not None:
+            self.launcher.end_session(proc.popen)
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+
+    def add(self, service: Service) -> Proc:
+        """Plan one more service into the running set (``loopgate scale``); start it with :meth:`start`."""
+        if service.name in self.procs:
+            raise ValueError(f"service {service.name!r} is already part of the run")
+        proc = self.procs[service.name] = Proc(service)
+        return proc
+
+    def remove(self, name: str) -> None:
+        """Forget a stopped service (a worker that left)."""
+        proc = self.procs.pop(name)
+        if proc.popen is not None and proc.popen.poll() is None:
+            raise RuntimeError(f"service {name!r} still runs; stop it first")
+
     def describe(self) -> list[dict[str, Any]]:
-        return [p.describe() for p in self.procs.values()]
+        rows = [p.describe() for p in self.procs.values()]
+        if self.launcher is not None:
+            for row, proc in zip(rows, self.procs.values()):
+                if proc.popen is not None and proc.state == "running":
+                    state, where = self.launcher.describe(proc.popen)
+                    row["state"] = state if state != "exited" else row["state"]
+                    row["detail"] = " ".join(x for x in (row["detail"], where) if x)
+        return rows
 
 
 # ---------------------------------------------------------------------- planning
@@ -365,6 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="BLOCK.KEY=VALUE", help="override a config key"
     )
     p.add_argument("--log-level", default=None, help="log level of every process (default: run.log_level)")
+    p.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run every service on the Ray cluster at ADDRESS (auto: RAY_ADDRESS); sets run.engine=ray",
+    )
     return p
 
 
@@ -373,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.set)
     if args.max_env_steps is not None:
         overrides.append(f"run.max_env_steps={args.max_env_steps}")
+    if args.ray:
+        overrides += ["run.engine=ray", f"run.ray_address={json.dumps(args.ray)}"]
     logging.basicConfig(
         level=(args.log_level or "INFO").upper(), format="%(asctime)s %(levelname)s %(message)s"
     )
@@ -380,13 +428,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
         run, services, _ = prepare_run(cfg, run_dir, (args.log_level or cfg.run.log_level).upper())
+        engine = open_engine(cfg)
     except ConfigError as exc:
         log.error("invalid config: %s", exc)
         return EXIT_CONFIG
-    log.info("run folder: %s", run.run_dir)
+    log.info("run folder: %s (engine: %s)", run.run_dir, engine.name)
     keys = CurveKeys.load(cfg.gateway.curve_keys) if cfg.gateway.curve_keys else None
     control = ControlClient(run.endpoints["gateway"]["control"], keys)
-    sup = Supervisor(cfg, run, services)
+    sup = Supervisor(cfg, run, services, launcher=engine.launcher(cfg, run))
     metrics = MetricsWriter(run.run_dir / "metrics.jsonl", "up")
     interrupted = {"n": 0}
 
@@ -426,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         with LiveView(cfg.name, cfg.run.max_env_steps) as view:
             while not sup.failed and not interrupted["n"]:
                 sup.supervise()
+                serve_requests(sup, cfg, run, metrics)
                 # A timeout means the gateway is restarting; the supervisor brings it back.
                 with contextlib.suppress(Timeout):
                     status = control.request("status", timeout_s=2.0)
@@ -456,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         sup.stop(timeout_s=cfg.run.drain_timeout_s)
         control.close()
         metrics.close()
+        engine.close()
     summary = write_summary(cfg, run.run_dir, status, max(elapsed, 1e-9), outcome, final)
     log.info("summary: %s", json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}))
     log.info("wrote %s (total %.1f s)", run.run_dir / "summary.json", time.monotonic() - started)
