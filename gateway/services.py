@@ -11,6 +11,7 @@ so a restarted process binds the same address and its peers find it again).
 from __future__ import annotations
 
 import gc
+import os
 import socket
 import sys
 import threading
@@ -110,6 +111,13 @@ def plan_gateway(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
 
 def plan_workers(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
     services = []
+    # Each worker's observation tap (gateway.tap) for watchers such as the web console:
+    # on loopback, since it carries no CURVE keys and watchers run beside `loopgate up`.
+    ipc = cfg.gateway.transport == "ipc"
+    run.endpoints["taps"] = [
+        address(cfg, run, f"tap-{i}", 0) if ipc else f"tcp://127.0.0.1:{free_port()}"
+        for i in range(cfg.env.workers)
+    ]
     for index in range(cfg.env.workers):
         argv = run.module(
             "gateway.worker",
@@ -120,6 +128,8 @@ def plan_workers(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
             "--index",
             str(index),
         )
+        if cfg.env.python is not None:  # the simulator's own venv (see gateway.venvs)
+            argv[0] = os.path.abspath(os.path.expanduser(cfg.env.python))
         services.append(Service(name=f"worker-{index}", argv=argv, order=40))
     return services
 

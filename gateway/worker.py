@@ -10,6 +10,10 @@ gateway can record that step; the gateway drops steps it already has.
 
     python -m gateway.worker --connect tcp://127.0.0.1:5555 --backend mujoco_reach --num-envs 4
 
+With a tap address (``endpoints.json["taps"][index]`` under ``loopgate up``) it also
+publishes each observation for watchers such as the web console (:mod:`gateway.tap`:
+only while someone listens, never blocking the loop).
+
 Message layout (``K`` = num_envs)::
 
     OBSERVATION  meta: uid, rtt_us, reset (bool), hops_us {action_to_worker, env_step}
@@ -49,6 +53,7 @@ from gateway import lifeline, steps
 from gateway.episode import EpisodeBackend, Obs
 from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError, pack, recv, send
 from gateway.services import freeze_heap
+from gateway.tap import ObservationTap
 from gateway.trajectory import episode_id
 from gateway.transport import CurveKeys, connect, make_socket
 
@@ -84,6 +89,7 @@ class EnvWorker:
         keys: CurveKeys | None = None,
         limits: Limits | None = None,
         context: zmq.Context[Any] | None = None,
+        tap_address: str | None = None,
     ) -> None:
         self.backend = backend
         self.address = address
@@ -108,6 +114,14 @@ class EnvWorker:
         self.stop_event = threading.Event()
         self._last_beat = 0.0
         backend.keepalive = self._keepalive
+        self.tap: ObservationTap | None = None
+        self._tapped: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+        """The action (and its versions) that led to the observation being sent."""
+        if tap_address:
+            try:
+                self.tap = ObservationTap(self._ctx, tap_address, uid=self.uid)
+            except (zmq.ZMQError, ValueError) as exc:  # watchers only: the worker serves without
+                log.warning("observation tap %s not available: %s", tap_address, exc)
 
     # --------------------------------------------------------------- connection
 
@@ -252,6 +266,8 @@ class EnvWorker:
                     send(self._sock, Message(MsgType.BYE, meta={"uid": self.uid}), flags=zmq.NOBLOCK)
                 self._sock.close(linger=0)
                 self._sock = None
+            if self.tap is not None:
+                self.tap.close()
 
     def _serve(self, welcome: dict[str, Any], max_steps: int | None) -> None:
         if welcome.get("reset_required"):
@@ -263,6 +279,8 @@ class EnvWorker:
                 return
             sent_at = time.perf_counter()
             send(self._sock, outgoing)
+            if self.tap is not None:  # after the gateway has it: watchers never delay a step
+                self.tap.publish(outgoing, *self._tapped)
             reply = self._await_reply(outgoing.seq)
             if self.stop_event.is_set():
                 return
@@ -295,6 +313,10 @@ class EnvWorker:
             else:  # COMMAND stop
                 return
             nxt.meta["rtt_us"] = round(self._rtt_us, 1)
+            if reply.type is MsgType.ACTION:
+                self._tapped = (reply.arrays["action"], action_versions(reply, len(self._step)))
+            else:
+                self._tapped = (None, None)
             self._last_obs_msg = nxt
             outgoing = nxt
 
@@ -388,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, help="base seed (overrides the config)")
     p.add_argument("--max-steps", type=int, help="stop after this many env steps")
+    p.add_argument(
+        "--write-spec",
+        metavar="PATH",
+        help="write the backend's env spec (JSON) to PATH and exit: how `loopgate up` reads the spec "
+        "of a backend in another interpreter (env.python)",
+    )
     p.add_argument("--curve-keys", help="folder made by `loopgate keys`")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -430,10 +458,20 @@ def main(argv: list[str] | None = None) -> int:
         backend_name = args.backend or backend_name
         num_envs = args.num_envs or num_envs
         seed = args.seed if args.seed is not None else seed
-        address = args.connect
-        if address is None and args.endpoints:
+        if args.write_spec:
+            from gateway.factory import experiment_spec
+
+            spec = experiment_spec(backend_name, options)
+            with open(args.write_spec, "w") as f:
+                json.dump(spec.to_dict(), f)
+            return 0
+        address, tap = args.connect, None
+        if args.endpoints:
             with open(args.endpoints) as f:
-                address = json.load(f)["gateway"]["workers"]
+                endpoints = json.load(f)
+            address = address or endpoints["gateway"]["workers"]
+            taps = endpoints.get("taps") or []
+            tap = taps[args.index] if args.index < len(taps) else None
         if address is None:
             raise ConfigError("give --connect ADDRESS or --endpoints FILE")
         backend = make_backend(
@@ -449,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_s=heartbeat,
         gateway_timeout_s=max(timeout, 3 * heartbeat),
         keys=CurveKeys.load(curve) if curve else None,
+        tap_address=tap,
     )
 
     def _stop(signum: int, frame: Any) -> None:

@@ -106,6 +106,7 @@ def serve(
     import uvicorn
 
     from gateway.console.app import ConsoleApp, create_app
+    from gateway.console.camera import FrameSource
     from gateway.console.link import GatewayLink
     from gateway.console.metrics import MetricsTail
     from gateway.services import free_port
@@ -114,6 +115,8 @@ def serve(
     gateway = endpoints["gateway"]
     assert isinstance(gateway, dict)
     link = GatewayLink(endpoints, interval_s=cfg.status_interval_s, backend=backend)
+    taps = endpoints.get("taps") or []  # the workers' observation taps (camera frames)
+    assert isinstance(taps, list)
     console = ConsoleApp(
         config=cfg,
         credentials=credentials,
@@ -121,8 +124,11 @@ def serve(
         link=link,
         clients_address=gateway["clients"],
         metrics=MetricsTail(metrics_path),
+        frames=FrameSource([str(a) for a in taps]),
     )
     link.start()
+    assert console.frames is not None
+    console.frames.start()
     try:
         log.info("console at http://%s:%d", cfg.host, port)
         uvicorn.run(
@@ -137,6 +143,7 @@ def serve(
     finally:
         if console.teleop is not None:
             console.teleop.release()
+        console.frames.close()
         link.close()
     return 0
 

@@ -11,8 +11,8 @@ HTTP: ``POST /api/login {token}`` (sets an HttpOnly, SameSite=Strict session coo
 ``POST /api/logout``, ``GET /api/me``, ``GET /api/fleet``, ``GET /api/metrics`` (the
 training view's curves), ``POST /api/estop`` (any
 logged-in user), ``POST /api/resume`` (operators). WebSockets: ``/ws/fleet`` (the fleet
-view, pushed) and ``/ws/teleop`` (take over, commands, hold, release; pushed teleop
-state). Every WebSocket handshake and every POST checks the session and the Origin.
+view, pushed), ``/ws/teleop`` (take over, commands, hold, release; pushed teleop
+state) and ``/ws/camera`` (the robot view's frames, :mod:`gateway.console.camera`). Every WebSocket handshake and every POST checks the session and the Origin.
 Bad requests are answered ``{"error": ...}`` with a 4xx status; the page shows it.
 """
 
@@ -31,6 +31,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
+from gateway.console import camera
 from gateway.console.auth import Credential, Role, Sessions, authenticate, origin_allowed
 from gateway.console.config import ConsoleConfig
 from gateway.console.link import GatewayLink
@@ -56,6 +57,8 @@ class ConsoleApp:
     link: GatewayLink
     clients_address: str
     metrics: MetricsTail | None = None
+    frames: camera.FrameSource | None = None
+    """The workers' taps (camera frames, env state); None: no live feed."""
     teleop: TeleopLoop | None = None
     teleop_owner: object | None = None
     teleop_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -184,6 +187,8 @@ def create_app(console: ConsoleApp) -> FastAPI:
             return None
         await ws.accept()
         return role
+
+    camera.install(app, console.frames or camera.FrameSource([]), admit)
 
     @app.websocket("/ws/fleet")
     async def fleet_ws(ws: WebSocket) -> None:
