@@ -40,7 +40,7 @@ from gateway.gpu_stats import for_device
 from gateway.metrics import MetricsWriter
 from gateway.protocol import RemoteError, Timeout
 from trainer import checkpoint
-from trainer.algos import Algorithm, make_algorithm
+from trainer.algos import Algorithm, OnPolicyAlgorithm, make_algorithm
 from trainer.distributed import World, from_rank0
 from trainer.publish import Publisher, full_state_dict, last_published
 
@@ -390,10 +390,13 @@ class Trainer:
                 time.sleep(0.05)
         if self.should_stop():
             return
-        for _ in range(self.tc.updates_per_round):
-            self.update()
-        if not self.publication_held():
-            self.publish()
+        if isinstance(self.algo, OnPolicyAlgorithm):
+            self.on_policy_round(self.algo)
+        else:
+            for _ in range(self.tc.updates_per_round):
+                self.update()
+            if not self.publication_held():
+                self.publish()
         if self.control is not None:
             status = self.control.request("status", timeout_s=5.0)
             target = int(status["env_steps"]) + self.tc.collect_steps
@@ -404,6 +407,76 @@ class Trainer:
             if budget is not None:
                 target = min(target, budget)
             self.control.request("set_budget", timeout_s=5.0, max_env_steps=target)
+
+    def on_policy_round(self, algo: OnPolicyAlgorithm) -> None:
+        """Train on the round's steps of the version the parameters are, then publish the next.
+
+        Publication waits for the untrained policy's evaluation before training starts:
+        training first would leave the next round acting with a version whose parameters
+        the trainer no longer holds."""
+        while self.publication_held():
+            if self.world.is_main:
+                self.poll_gateway()
+            time.sleep(0.2)
+        from trainer.rollout import fetch_rollout
+
+        t0 = time.monotonic()
+        rollout, info = fetch_rollout(self, self.c.version)
+        self.c.wait_s += time.monotonic() - t0
+        self.c.stats = {f"rollout/{k}": float(v) for k, v in info.items()}
+        if not rollout:
+            log.info(
+                "round of version %d: no step of it stored (%d older dropped); collecting again",
+                self.c.version,
+                info["stale"],
+            )
+            self.confirm_version()
+            return
+        t0 = time.monotonic()
+        before = self.c.updates
+        stats = algo.learn(rollout)
+        self.c.compute_s += time.monotonic() - t0
+        self.c.updates += int(stats.pop("updates"))
+        self.c.skipped += int(stats.pop("skipped_updates", 0))
+        self.c.samples += int(info["kept"]) * getattr(algo.config, "epochs", 1)
+        self.c.stats.update(stats)
+        log.info(
+            "version %d: %d steps (%d older dropped), %d updates",
+            self.c.version,
+            info["kept"],
+            info["stale"],
+            self.c.updates - before,
+        )
+        self.publish()
+        self.confirm_version()
+        every = self.tc.checkpoint_every
+        if self.c.updates // every != before // every:
+            checkpoint.save(self.algo, self.ckpt_dir, self.c.saved(), is_main=self.world.is_main)
+        due = self.tc.eval_every and self.c.updates // self.tc.eval_every != before // self.tc.eval_every
+        if due and self.control is not None:
+            try:
+                self.control.request("evaluate", timeout_s=5.0, episodes=self.tc.eval_episodes)
+            except (Timeout, RemoteError) as exc:
+                log.warning("could not start an evaluation: %s", exc)
+
+    def confirm_version(self, deadline_s: float = 10.0) -> None:
+        """Rank 0: wait until the gateway acts with the trainer's version, so the next
+        round's first steps do not act with an older one (those would be dropped)."""
+        if self.control is None or self.publisher is None or not self.cfg.inference.enabled:
+            return
+        self.publisher.flush()
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline and not self.stop_requested:
+            try:
+                if (
+                    int(self.control.request("status", timeout_s=5.0).get("policy_version", 0))
+                    >= self.c.version
+                ):
+                    return
+            except (Timeout, RemoteError):
+                pass
+            time.sleep(0.02)
+        log.warning("the gateway does not act with version %d after %.0f s", self.c.version, deadline_s)
 
     def close(self) -> None:
         if self.publisher is not None:

@@ -82,9 +82,9 @@ def preflight(cfg: ExperimentConfig, spec: Any) -> None:
             f"trainer.algorithm: unknown algorithm {tc.algorithm!r}; known: {', '.join(sorted(ALGORITHMS))}"
         )
     module, _, attr = ALGORITHMS[tc.algorithm].partition(":")
-    options = build(
-        getattr(importlib.import_module(module), attr).Config, dict(tc.options), "trainer.options"
-    )
+    algorithm = getattr(importlib.import_module(module), attr)
+    options = build(algorithm.Config, dict(tc.options), "trainer.options")
+    algorithm.check_experiment(cfg, options)
     gamma = getattr(options, "gamma", None)
     for i, table in enumerate(cfg.replay.tables):
         # Batches carry the table's discount; a different trainer gamma would be ignored.

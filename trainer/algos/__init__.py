@@ -9,8 +9,8 @@ into updates::
         stats = algo.update(batch)   # {"loss/critic": ..., "skipped": 0.0, ...}
     publish(algo.actor)              # the policy the inference servers serve
 
-Adding one (e.g. PPO with V-trace corrections for lagged data) is a new module in this
-folder and one line in :data:`ALGORITHMS`.
+Adding one is a new module in this folder and one line in :data:`ALGORITHMS`; an
+on-policy one (PPO) subclasses :class:`OnPolicyAlgorithm` and trains on whole rollouts.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from gateway.episode import EnvSpec
 ALGORITHMS: dict[str, str] = {
     "sac": "trainer.algos.sac:SAC",
     "bc": "trainer.algos.bc:BehaviourCloning",
+    "ppo": "trainer.algos.ppo:PPO",
 }
 """Algorithms by the name ``trainer.algorithm`` uses."""
 
@@ -83,6 +84,22 @@ class Algorithm(abc.ABC):
 
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         return None
+
+    @classmethod
+    def check_experiment(cls, cfg: Any, options: Any) -> None:
+        """Refuse (``ConfigError``) an experiment this algorithm cannot train, before anything starts."""
+        return None
+
+
+class OnPolicyAlgorithm(Algorithm):
+    """Trains on whole rollouts of the current policy version (``trainer.mode: sync``).
+
+    Each round the trainer hands :meth:`learn` every step of the round that acted with
+    the version its parameters are, then publishes the next version."""
+
+    @abc.abstractmethod
+    def learn(self, rollout: dict[str, torch.Tensor]) -> dict[str, float]:
+        """All updates of one round; statistics, with ``updates`` (gradient steps taken)."""
 
 
 def make_algorithm(

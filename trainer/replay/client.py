@@ -129,6 +129,23 @@ class ReplayClient:
         arrays = dict(msg.arrays)
         return to_torch(arrays) if torch else arrays
 
+    def take(self, counts: dict[str, int], *, timeout_s: float = 5.0) -> dict[str, Any]:
+        """One batch of exactly ``counts`` items, from one request and nothing prefetched.
+
+        For draining a queue table (``fifo``, ``max_times_sampled: 1``) of a known size:
+        no second request waits in the service to take items meant for a later call.
+        """
+        self._inflight.clear()  # answers to earlier prefetched requests are dropped on arrival
+        self._early.clear()
+        self._shape = None
+        self._seq += 1
+        seq = self._seq
+        send(
+            self.sock,
+            Message(MsgType.SAMPLE, seq=seq, meta={"tables": counts, "timeout_s": float(timeout_s)}),
+        )
+        return dict(self._checked(self._answer(seq, time.monotonic() + timeout_s + GRACE_S, "sample")).arrays)
+
     def _request(self, counts: dict[str, int], timeout_s: float) -> None:
         self._seq += 1
         meta = {"tables": counts, "timeout_s": float(timeout_s)}

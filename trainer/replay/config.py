@@ -70,6 +70,8 @@ class TableConfig:
     """Rate limiter: how far (in sampled items) the ratio may drift either way before one side waits."""
     max_pending: int = 100_000
     """Items waiting for the rate limiter beyond which ingest refuses chunks (backpressure)."""
+    links: bool = False
+    """``transition`` items also carry ``row`` and ``next_row`` (store row numbers; a step's ``next_row`` is the ``row`` of its episode's next step), so an on-policy trainer can chain each episode's steps (GAE)."""
 
     def check(self, where: str) -> None:
         def bad(name: str, text: str) -> ConfigError:
@@ -89,6 +91,8 @@ class TableConfig:
             raise bad("priority_exponent", "must be >= 0")
         if self.initial_priority is not None and self.initial_priority <= 0:
             raise bad("initial_priority", "must be > 0")
+        if self.links and self.item != "transition":
+            raise bad("links", f"is only for item 'transition' (this table holds {self.item!r} items)")
         if self.min_size_to_sample > self.max_size:
             raise bad("min_size_to_sample", f"must be <= max_size ({self.max_size}) or sampling never starts")
         spi = self.samples_per_insert

@@ -13,7 +13,8 @@ A batch of transitions holds ``obs/<key>``, ``action``, ``reward``, ``next_obs/<
 ``terminated``, ``truncated``, ``discount`` (the whole bootstrap factor: ``gamma ** k``
 for n-step items, ``gamma`` for transitions, 0 after termination; ``gamma`` is the
 table's), ``policy_version``, ``key`` (for priority updates),
-``probability`` and ``table`` (index into the tables asked for). Sequence items have a
+``probability`` and ``table`` (index into the tables asked for), and with the table's
+``links`` ``row`` and ``next_row`` (the next step's ``row``: chains an episode's steps). Sequence items have a
 time axis and every stored column: ``obs/<key>`` [B, L, ...], ``action``, ``reward``,
 ``success``, ``step``, ...
 """
@@ -204,6 +205,9 @@ class ReplayBuffer:
             for key in obs_keys:
                 out["next_" + key] = store.take_at(key, at_boot)
             out["discount"] = np.where(out["terminated"], 0.0, cfg.gamma).astype(np.float32)
+            if cfg.links:
+                out["row"] = table.rows[slots, 0].copy()
+                out["next_row"] = table.boot[slots].copy()
             return out
         rows = table.rows[slots]  # [B, n], -1 beyond the end of the episode
         valid = rows >= 0

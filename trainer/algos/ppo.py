@@ -1,0 +1,378 @@
+"""Proximal policy optimisation (Schulman et al. 2017), on-policy, as rsl_rl and Isaac Lab run it.
+
+Runs in ``trainer.mode: sync``: the trainer takes one rollout (every step of the round
+that acted with the current policy version, from a ``fifo`` table with ``links``), then
+``epochs`` passes of ``minibatches`` clipped-surrogate updates over it, then publishes
+the next version::
+
+    algo = make_algorithm("ppo", spec, net_config, {"epochs": 5}, device=device)
+    algo.shard(world); algo.build_optimizers()
+    stats = algo.learn(rollout)     # rollout: a transition batch with row / next_row
+
+The old log-probabilities and values are recomputed by the trainer at the start of
+:meth:`PPO.learn`: its parameters are exactly the published ones the rollout acted
+with (sync mode trains only between rounds, and steps of other versions are left
+out), so nothing needs to travel with the steps. The log-probability of a stored
+action inverts the actor's tanh squashing (``atanh`` of the action scaled back to
+[-1, 1], kept a hair inside the bounds). The entropy bonus and the KL of the adaptive
+learning rate are the pre-tanh Gaussian's (tanh is a bijection: the KL is the same).
+Advantages: :mod:`trainer.algos.gae` (terminations end the return, time-outs and the
+rollout's edges bootstrap on the critic).
+
+With FSDP every rank holds the whole rollout (broadcast from rank 0), computes the
+same advantages, draws the same minibatch order, and trains on its share of each
+minibatch; the gradients are averaged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gateway.episode import EnvSpec
+from networks.modules import make_actor, make_encoder, mlp
+from trainer.algos import OnPolicyAlgorithm
+from trainer.algos.common import clip_groups
+from trainer.algos.gae import clipped_surrogate, gae, gaussian_kl, normalise, successors, value_loss
+
+_EDGE = 1e-6  # keeps atanh finite for actions on the bounds
+_CHUNK = 16384  # rows per no-grad pass over the rollout
+_LR_RANGE = (1e-5, 1e-2)  # the adaptive schedule's bounds (rsl_rl's)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOConfig:
+    """Options of PPO (``trainer.options`` with ``trainer.algorithm: ppo``)."""
+
+    gamma: float = 0.99
+    """Discount per step; must equal the rollout table's ``gamma`` (the items carry it)."""
+    gae_lambda: float = 0.95
+    """GAE's λ: 0 is one-step TD, 1 the Monte-Carlo return."""
+    clip: float = 0.2
+    """Clip range ε of the probability ratio."""
+    value_clip: float | None = 0.2
+    """Clip range of the value update around the old value (None: plain squared error)."""
+    epochs: int = 5
+    """Passes over each rollout."""
+    minibatches: int = 4
+    """Minibatches per pass (each split evenly over the trainer processes)."""
+    lr: float = 1e-3
+    """Adam learning rate (the starting one with ``schedule: adaptive``)."""
+    schedule: Literal["fixed", "adaptive"] = "adaptive"
+    """``adaptive``: divide the rate by 1.5 when the KL passes 2 × ``desired_kl``, multiply below half of it."""
+    desired_kl: float = 0.01
+    """Target KL per minibatch of the adaptive schedule."""
+    entropy_coef: float = 0.005
+    """Weight of the entropy bonus."""
+    value_coef: float = 1.0
+    """Weight of the value loss."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (actor and critic together)."""
+    normalize_advantages: bool = True
+    """Normalise advantages over the rollout (zero mean, unit std)."""
+    rollout_steps: int | None = None
+    """Steps per env per rollout (rsl_rl's ``num_steps_per_env``); when set, ``trainer.collect_steps`` must be this × every env."""
+    critic_hidden: tuple[int, ...] | None = None
+    """Critic MLP widths; default the actor's ``hidden_sizes``."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gamma <= 1:
+            raise ValueError(f"trainer.options.gamma must be in (0, 1], got {self.gamma}")
+        if not 0 <= self.gae_lambda <= 1:
+            raise ValueError(f"trainer.options.gae_lambda must be in [0, 1], got {self.gae_lambda}")
+        if not 0 < self.clip < 1:
+            raise ValueError(f"trainer.options.clip must be in (0, 1), got {self.clip}")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ValueError(f"trainer.options.value_clip must be > 0 or null, got {self.value_clip}")
+        for name in ("epochs", "minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.options.{name} must be >= 1, got {getattr(self, name)}")
+        if self.rollout_steps is not None and self.rollout_steps < 1:
+            raise ValueError(f"trainer.options.rollout_steps must be >= 1 or null, got {self.rollout_steps}")
+        for name in ("lr", "desired_kl", "max_grad_norm"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"trainer.options.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("entropy_coef", "value_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.options.{name} must be >= 0, got {getattr(self, name)}")
+        if self.schedule not in ("fixed", "adaptive"):
+            raise ValueError(f"trainer.options.schedule must be 'fixed' or 'adaptive', got {self.schedule!r}")
+
+
+class Critic(nn.Module):
+    """``V(obs)``: its own encoder and MLP."""
+
+    def __init__(self, spec: EnvSpec, net_config: Any, hidden: tuple[int, ...]) -> None:
+        super().__init__()
+        self.encoder = make_encoder(spec, net_config)
+        self.head = nn.Sequential(
+            mlp(self.encoder.out_features, hidden, net_config.activation), nn.Linear(hidden[-1], 1)
+        )
+
+    def forward(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.encoder(obs)).squeeze(1)
+        return out
+
+
+def action_log_prob(
+    actor: nn.Module, mean: torch.Tensor, log_std: torch.Tensor, action: torch.Tensor
+) -> torch.Tensor:
+    """Log-density ``[B]`` of stored actions under the actor's tanh-Gaussian ``(mean, log_std)``."""
+    half, mid = actor.action_half.reshape(-1), actor.action_mid.reshape(-1)
+    unit = ((action.flatten(1).float() - mid) / half).clamp(-1 + _EDGE, 1 - _EDGE)
+    pre = torch.atanh(unit)
+    gauss = -0.5 * ((pre - mean) / torch.exp(log_std)).pow(2) - log_std - 0.5 * math.log(2 * math.pi)
+    jacobian = 2.0 * (math.log(2.0) - pre - nn.functional.softplus(-2.0 * pre))
+    return (gauss - jacobian).sum(1) - torch.log(half).sum()
+
+
+def entropy(log_std: torch.Tensor) -> torch.Tensor:
+    """Entropy ``[B]`` of the pre-tanh Gaussian."""
+    return (log_std + 0.5 * math.log(2 * math.pi * math.e)).sum(-1)
+
+
+class PPONetworks(nn.Module):
+    """Actor and critic; ``forward`` is a whole minibatch loss, ``evaluate`` the no-grad pass
+    over the rollout (one FSDP unit per call, as in SAC)."""
+
+    def __init__(self, actor: nn.Module, critic: Critic) -> None:
+        super().__init__()
+        self.actor = actor
+        self.critic = critic
+
+    def evaluate(
+        self, obs: dict[str, torch.Tensor], action: torch.Tensor, next_obs: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        mean, log_std = self.actor.distribution(obs)
+        return {
+            "old_log_prob": action_log_prob(self.actor, mean, log_std, action),
+            "old_mean": mean,
+            "old_log_std": log_std,
+            "old_value": self.critic(obs),
+            "next_value": self.critic(next_obs),
+        }
+
+    def forward(
+        self, batch: dict[str, torch.Tensor], clip: float, value_clip: float | None
+    ) -> dict[str, torch.Tensor]:
+        obs = {k[4:]: v for k, v in batch.items() if k.startswith("obs/")}
+        mean, log_std = self.actor.distribution(obs)
+        log_prob = action_log_prob(self.actor, mean, log_std, batch["action"])
+        value = self.critic(obs)
+        with torch.no_grad():
+            ratio = torch.exp(log_prob - batch["old_log_prob"])
+            clipped = ((ratio - 1.0).abs() > clip).float().mean()
+            kl = gaussian_kl(batch["old_mean"], batch["old_log_std"], mean, log_std)
+        return {
+            "policy": clipped_surrogate(log_prob, batch["old_log_prob"], batch["advantage"], clip),
+            "value": value_loss(value, batch["old_value"], batch["return"], value_clip),
+            "entropy": entropy(log_std).mean(),
+            "kl": kl,
+            "clip_frac": clipped,
+        }
+
+
+class PPO(OnPolicyAlgorithm):
+    Config = PPOConfig
+
+    def __init__(self, spec: EnvSpec, net_config: Any, config: PPOConfig, *, device: torch.device) -> None:
+        super().__init__(spec, net_config, config, device=device)
+        hidden = tuple(config.critic_hidden or net_config.hidden_sizes)
+        self.nets = PPONetworks(make_actor(spec, net_config), Critic(spec, net_config, hidden)).to(device)
+        self._opts: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+        self.rank, self.world_size = 0, 1
+        self.rounds = 0
+        self.lr = config.lr
+
+    @property
+    def actor(self) -> nn.Module:
+        return self.nets.actor
+
+    def modules(self) -> dict[str, nn.Module]:
+        return {"ppo": self.nets}
+
+    def shard(self, world: Any) -> None:
+        from trainer.distributed import shard
+
+        self.rank, self.world_size = world.rank, world.size
+        shard(self.nets.actor, world, ("sample", "distribution"))
+        shard(self.nets, world, ("evaluate",))
+
+    def build_optimizers(self) -> None:
+        self._opts = {"ppo": (self.nets, torch.optim.Adam(self.nets.parameters(), lr=self.config.lr))}
+
+    def optimizers(self) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
+        return self._opts
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        return {"lr": torch.tensor([self.lr], dtype=torch.float64), "rounds": torch.tensor([self.rounds])}
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.lr, self.rounds = float(state["lr"][0]), int(state["rounds"][0])
+
+    @classmethod
+    def check_experiment(cls, cfg: Any, options: Any) -> None:
+        """PPO needs sync rounds and one queue table that hands out each step once, linked."""
+        from gateway.config import ConfigError
+
+        tc = cfg.trainer
+        if tc.mode != "sync":
+            raise ConfigError(
+                f"trainer.algorithm ppo is on-policy and needs trainer.mode: sync (got {tc.mode!r}): "
+                "collect a rollout with the current version, train, publish"
+            )
+        if len(tc.tables) != 1:
+            raise ConfigError(
+                f"trainer.algorithm ppo trains on one rollout table, trainer.tables names {sorted(tc.tables)}"
+            )
+        name = next(iter(tc.tables))
+        i, table = next((i, t) for i, t in enumerate(cfg.replay.tables) if t.name == name)
+        where = f"replay.tables[{i}]"
+        want = {
+            "item": "transition",
+            "sampler": "fifo",
+            "max_times_sampled": 1,
+            "links": True,
+            "samples_per_insert": None,
+            "source": "online",
+        }
+        for key, value in want.items():
+            if getattr(table, key) != value:
+                raise ConfigError(
+                    f"{where}.{key} must be {value!r} for ppo's rollout table (got {getattr(table, key)!r}): "
+                    "every step of a round is handed to the trainer once, with the links GAE follows"
+                )
+        if table.max_size < tc.collect_steps:
+            raise ConfigError(
+                f"{where}.max_size ({table.max_size}) must hold a whole round, trainer.collect_steps ({tc.collect_steps})"
+            )
+        envs = cfg.env.workers * cfg.env.num_envs
+        if options.rollout_steps is not None and tc.collect_steps != options.rollout_steps * envs:
+            raise ConfigError(
+                f"trainer.collect_steps ({tc.collect_steps}) must be trainer.options.rollout_steps "
+                f"({options.rollout_steps}) × env.workers × env.num_envs ({envs}) = {options.rollout_steps * envs}"
+            )
+        if tc.collect_steps < options.minibatches * tc.nproc:
+            raise ConfigError(
+                f"trainer.collect_steps ({tc.collect_steps}) leaves no step for some of the "
+                f"{options.minibatches} minibatches × {tc.nproc} processes"
+            )
+
+    # ------------------------------------------------------------------ rollout
+
+    def prepare(self, rollout: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The rollout with old log-probs, old values, advantages and returns (no gradients)."""
+        obs_keys = [k for k in rollout if k.startswith("obs/")]
+        n = len(rollout["reward"])
+        parts: list[dict[str, torch.Tensor]] = []
+        with torch.no_grad():
+            for lo in range(0, n, _CHUNK):
+                sl = slice(lo, lo + _CHUNK)
+                parts.append(
+                    self.nets.evaluate(
+                        {k[4:]: rollout[k][sl] for k in obs_keys},
+                        rollout["action"][sl],
+                        {k[4:]: rollout["next_" + k][sl] for k in obs_keys},
+                    )
+                )
+        out = dict(rollout)
+        for key in parts[0]:
+            out[key] = torch.cat([p[key] for p in parts]).float()
+        succ = successors(rollout["row"], rollout["next_row"])
+        adv, ret = gae(
+            rollout["reward"],
+            rollout["discount"],
+            out["old_value"],
+            out["next_value"],
+            succ,
+            self.config.gae_lambda,
+        )
+        out["return"] = ret
+        out["advantage"] = normalise(adv) if self.config.normalize_advantages else adv
+        out["linked"] = (succ >= 0).float()
+        return out
+
+    def learn(self, rollout: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Epochs of minibatch updates over one rollout (the same on every rank); statistics."""
+        c = self.config
+        for group in self._opts["ppo"][1].param_groups:  # the adaptive rate (restored with a checkpoint)
+            group["lr"] = self.lr
+        data = self.prepare(rollout)
+        n = len(data["reward"])
+        per_rank = n // c.minibatches // self.world_size
+        if per_rank < 1:
+            raise ValueError(
+                f"a rollout of {n} steps is too small for {c.minibatches} minibatches over "
+                f"{self.world_size} process(es)"
+            )
+        mb = per_rank * self.world_size
+        keys = [k for k in data if k not in ("row", "next_row", "next_value", "linked", "policy_version")]
+        keys = [k for k in keys if not k.startswith("next_obs/")]
+        self.rounds += 1
+        gen = torch.Generator().manual_seed(1_000_003 * self.rounds + 17)  # equal on every rank
+        totals: dict[str, float] = {}
+        steps = skipped = 0
+        for _ in range(c.epochs):
+            perm = torch.randperm(n, generator=gen)
+            for i in range(c.minibatches):
+                idx = perm[i * mb : (i + 1) * mb][self.rank * per_rank : (self.rank + 1) * per_rank]
+                idx = idx.to(data["reward"].device)
+                stats = self.update({k: data[k][idx] for k in keys})
+                if stats.get("skipped"):
+                    skipped += 1
+                    continue
+                steps += 1
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
+        out = {k: v / max(steps, 1) for k, v in totals.items() if k != "skipped"}
+        out.update(
+            {
+                "updates": float(c.epochs * c.minibatches),
+                "skipped_updates": float(skipped),
+                "rollout/steps": float(n),
+                "rollout/linked_frac": float(data["linked"].mean()),
+                "rollout/value_mean": float(data["old_value"].mean()),
+                "rollout/return_mean": float(data["return"].mean()),
+                "lr": self.lr,
+            }
+        )
+        return out
+
+    def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One clipped-surrogate step on a prepared minibatch (this rank's share)."""
+        c, n = self.config, self.nets
+        out = n(batch, c.clip, c.value_clip)
+        loss = out["policy"] + c.value_coef * out["value"] - c.entropy_coef * out["entropy"]
+        opt = self._opts["ppo"][1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        kl = out["kl"].detach()
+        if self.world_size > 1:  # every rank adapts the rate alike
+            kl = kl.clone()
+            dist.all_reduce(kl)
+            kl /= self.world_size
+        if not clip_groups([list(n.parameters())], c.max_grad_norm)[0]:
+            self.skipped_updates += 1
+            return {"skipped": 1.0}
+        if c.schedule == "adaptive" and torch.isfinite(kl):
+            value = float(kl)
+            if value > 2.0 * c.desired_kl:
+                self.lr = max(_LR_RANGE[0], self.lr / 1.5)
+            elif 0.0 < value < 0.5 * c.desired_kl:
+                self.lr = min(_LR_RANGE[1], self.lr * 1.5)
+            for group in opt.param_groups:
+                group["lr"] = self.lr
+        opt.step()
+        return {
+            "skipped": 0.0,
+            "loss/policy": float(out["policy"].detach()),
+            "loss/value": float(out["value"].detach()),
+            "entropy": float(out["entropy"].detach()),
+            "kl": float(kl),
+            "clip_frac": float(out["clip_frac"]),
+        }
