@@ -11,12 +11,18 @@ PIP := $(PY) -m pip
 # CPU machines must get PyTorch's CPU build: a plain `torch` from PyPI is a multi-GB
 # CUDA build. Local wheels (find-links) or PyTorch's CPU index provide it.
 TORCH_INDEX ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,$(if $(shell command -v nvidia-smi 2>/dev/null),,--extra-index-url https://download.pytorch.org/whl/cpu))
-EXTRAS ?= dev,train,export,ros2,console,ray
+EXTRAS ?= gateway,dev,train,export,ros2,console,ray
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+# mjlab (Isaac Lab's env API on MuJoCo Warp) pins mujoco~=3.11, which cannot share .venv
+# (MuJoCo 4): it gets its own venv, where env workers run (env.python), with loopgate's
+# `worker` extra only. torch is held at the pinned CPU build while mjlab resolves.
+MJLAB_VENV := .venv-mjlab
+MJLAB_PY := $(MJLAB_VENV)/bin/python
+MJLAB_STAMP := $(MJLAB_VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 export MUJOCO_GL ?= egl
 
-.PHONY: install system-deps demo test lint typecheck test-unit test-conformance test-integration test-e2e bench clean
+.PHONY: install mjlab-venv system-deps demo test lint typecheck test-unit test-conformance test-integration test-e2e bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,7 +52,20 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
-install: $(STAMP)
+$(MJLAB_PY):
+	$(PYTHON) -m venv $(MJLAB_VENV)
+	$(MJLAB_PY) -m pip install --quiet --upgrade pip
+
+$(MJLAB_STAMP): $(MJLAB_PY) pyproject.toml Makefile
+	echo "torch==2.13.0" > $(MJLAB_VENV)/constraints.txt
+	$(MJLAB_PY) -m pip install --quiet $(TORCH_INDEX) "torch==2.13.0"
+	$(MJLAB_PY) -m pip install --quiet $(TORCH_INDEX) -c $(MJLAB_VENV)/constraints.txt -e ".[worker,mjlab,venv-test]"
+	rm -f $(MJLAB_VENV)/.installed-*
+	touch $(MJLAB_STAMP)
+
+mjlab-venv: $(MJLAB_STAMP)
+
+install: $(STAMP) $(MJLAB_STAMP)
 
 demo: install
 	$(VENV)/bin/loopgate up configs/reach_sim.yaml
@@ -81,4 +100,4 @@ bench: install
 	$(VENV)/bin/loopgate bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(MJLAB_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

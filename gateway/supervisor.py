@@ -52,6 +52,7 @@ from gateway.services import RunContext, Service, free_port
 from gateway.store import EpisodeStore
 from gateway.trajectory import StoreCount
 from gateway.transport import CurveKeys
+from gateway.venvs import check_interpreter, foreign_spec
 
 log = logging.getLogger("loopgate.up")
 
@@ -300,7 +301,11 @@ def prepare_run(
     cfg: ExperimentConfig, run_dir: Path, log_level: str
 ) -> tuple[RunContext, list[Service], Any]:
     """Preflight checks, run folder files and the service plan; nothing started yet."""
-    spec = experiment_spec(cfg.env.backend, dict(cfg.env.options))
+    if cfg.env.python is None:
+        spec = experiment_spec(cfg.env.backend, dict(cfg.env.options))
+    else:  # the backend is importable only in the simulator's own venv
+        check_interpreter(cfg.env.python)
+        spec = foreign_spec(cfg.env.python, cfg.env.backend, dict(cfg.env.options))
     for block, _ in PREFLIGHT.items():
         if cfg.has(block):
             resolve(PREFLIGHT, block, "preflight check")(cfg, spec)

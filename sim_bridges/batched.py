@@ -53,6 +53,8 @@ What it maps, and why:
   and have the spec's dtype (observations), float32 (reward) or bool (flags); anything else
   is a :class:`ValueError` that names the tensor, what it is and what was expected. Actions
   are checked against the spec before they reach the simulator and move to its device.
+- **Action bounds.** Isaac Lab's action spaces are unbounded; ``clip_actions=c`` makes
+  the spec's bounds ``[-c, c]`` and clamps actions to them (rsl_rl's wrapper option).
 
 The constructor reads everything the spec needs from the env's spaces, so the spec is
 readable before the first reset. Seeding is per batch (Isaac Lab seeds one generator for
@@ -125,13 +127,19 @@ class TorchEnvBackend(EpisodeBackend):
         name: str,
         groups: Mapping[str, str] | None = None,
         seed: int | None = 0,
+        clip_actions: float | None = None,
         metadata: Mapping[str, Any] | None = None,
         owns_env: bool = True,
     ) -> None:
         """Wrap ``env``; ``groups`` maps the env's observation groups to loopgate keys (None: all, unrenamed).
 
-        With ``owns_env``, :meth:`close` closes the env too.
+        ``clip_actions`` bounds the action to ``[-clip, clip]`` (the spec says so, and actions
+        are clamped before they reach the env, as rsl_rl's Isaac Lab wrapper does): Isaac Lab's
+        action spaces are unbounded. With ``owns_env``, :meth:`close` closes the env too.
         """
+        if clip_actions is not None and not clip_actions > 0:
+            raise ValueError(f"clip_actions must be > 0, got {clip_actions}")
+        self.clip_actions = clip_actions
         self._torch = importlib.import_module("torch")
         self.env = env
         self.raw = getattr(env, "unwrapped", env)
@@ -175,6 +183,8 @@ class TorchEnvBackend(EpisodeBackend):
         act_spec = _box(act, "env.single_action_space")
         low = np.broadcast_to(np.asarray(getattr(act, "low", -math.inf), np.float64), act_spec.shape)
         high = np.broadcast_to(np.asarray(getattr(act, "high", math.inf), np.float64), act_spec.shape)
+        if clip_actions is not None:
+            low, high = np.maximum(low, -clip_actions), np.minimum(high, clip_actions)
         step_dt = float(self.raw.step_dt)
         self.spec = EnvSpec(
             name=name,
@@ -309,6 +319,8 @@ class TorchEnvBackend(EpisodeBackend):
         if problems:
             raise ValueError("action: " + "; ".join(problems))
         tensor = self._torch.from_numpy(np.ascontiguousarray(action))
+        if self.clip_actions is not None:
+            tensor = tensor.clamp(-self.clip_actions, self.clip_actions)
         if not _same_device(tensor.device, self.device):
             tensor = tensor.to(self.device, non_blocking=False)
         obs, reward, terminated, time_outs, extras = self.env.step(tensor)

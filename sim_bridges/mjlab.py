@@ -40,6 +40,9 @@ class MjlabConfig:
     """Episode limit in steps (sets the task's ``episode_length_s``); None keeps the task's."""
     play: bool = False
     """Load the task's ``play`` variant (no randomisation, for evaluation)."""
+    clip_actions: float | None = None
+    """Bound actions to ``[-clip, clip]`` (mjlab's action spaces are unbounded; random and
+    scripted policies need bounds)."""
 
     def __post_init__(self) -> None:
         if not self.task:
@@ -50,6 +53,8 @@ class MjlabConfig:
             isinstance(k, str) and isinstance(v, str) for k, v in self.groups.items()
         ):
             raise ValueError(f"env.options.groups must map group names to keys, got {self.groups!r}")
+        if self.clip_actions is not None and not self.clip_actions > 0:
+            raise ValueError(f"env.options.clip_actions must be > 0, got {self.clip_actions}")
         if self.max_episode_steps is not None and self.max_episode_steps < 1:
             raise ValueError(f"env.options.max_episode_steps must be >= 1, got {self.max_episode_steps}")
 
@@ -87,5 +92,6 @@ class MjlabBackend(TorchEnvBackend):
             name=config.task,
             groups=config.groups,
             seed=seed,
+            clip_actions=config.clip_actions,
             metadata={"simulator": "mjlab", "task": config.task},
         )
