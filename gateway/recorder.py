@@ -10,7 +10,10 @@ spool segment is deleted once every step in it is in a chunk the sink acknowledg
 Spool records (``meta["kind"]``):
 
 - ``steps``: a batch of transitions (arrays with one row per step, ``meta["episodes"]``);
-- ``end``: an episode ended (``reason``, optional ``final_obs/*``);
+- ``batch``: a worker's batch (:mod:`gateway.recorder_columns`): the same arrays plus
+  ``episode`` (int64 per row), ``meta["worker"]`` instead of per-row ids;
+- ``end``: an episode ended (``reason``, optional ``final_obs/*``); ``ends``: several
+  (``meta["episodes"]``, ``meta["reasons"]``, ``final_obs/*`` rows in that order);
 - ``acked``: chunks the sink stored (``[[chunk_id, num_steps], ...]``);
 - ``snapshot``: first record of every segment after the first: open episodes and
   their next step index, recently closed ones, counters.
@@ -35,16 +38,15 @@ from typing import Any
 
 import numpy as np
 
+from gateway.env_columns import EpisodeIds
 from gateway.metrics import Histogram
 from gateway.protocol import Message, MsgType, pack, unpack
+from gateway.recorder_columns import CLOSED_MEMORY, ColumnRecording, batch_from_spool
 from gateway.segment_log import FsyncPolicy, SegmentLog
 from gateway.store import TrajectorySink
 from gateway.trajectory import StepRows, Transitions
 
 log = logging.getLogger(__name__)
-
-CLOSED_MEMORY = 4096
-"""Recently closed episodes remembered to recognise re-sent final steps."""
 
 
 @dataclass
@@ -103,8 +105,9 @@ class InterventionRate:
         return self._flagged / self._steps if self._steps else 0.0
 
 
-class Recorder:
-    """Per-episode chunking in front of a sink, with a write-ahead spool."""
+class Recorder(ColumnRecording):
+    """Per-episode chunking in front of a sink, with a write-ahead spool; a worker's
+    batches go through its :class:`~gateway.env_columns.EnvColumns` (no loop per env)."""
 
     def __init__(
         self,
@@ -122,6 +125,7 @@ class Recorder:
         self.interventions = InterventionRate()
         """The intervention rate over the last steps recorded (``intervention_rate``)."""
         self.open: dict[str, OpenEpisode] = {}
+        self.columns = {}
         self.closed: OrderedDict[str, int] = OrderedDict()
         self._inflight: dict[str, tuple[str, Counter[int], int]] = {}
         self._seg_unacked: Counter[int] = Counter()
@@ -150,6 +154,8 @@ class Recorder:
         steps are durable against this process dying (see ``SegmentLog.append``).
         """
         self.apply_pending()  # deduplication below needs every earlier record applied
+        if isinstance(steps.episodes, EpisodeIds):
+            return self._record_batch(steps, worker, task, eval_flags)
         index = steps.columns["step"]
         keep = [i for i, ep in enumerate(steps.episodes) if not self._is_duplicate(ep, int(index[i]))]
         self.counters.duplicate_resends += len(steps) - len(keep)
@@ -184,6 +190,9 @@ class Recorder:
         return ep is not None and step < ep.next_step
 
     def _apply_steps(self, meta: Mapping[str, Any], steps: Transitions, segment: int) -> None:
+        if meta.get("kind") == "batch" and isinstance(steps.episodes, EpisodeIds):
+            self._apply_batch(meta, steps, segment)
+            return
         eval_flags = meta.get("eval") or [False] * len(steps)
         index, flagged = steps.columns["step"], steps.columns["intervention"]
         before = self.counters.acked_steps, self.counters.intervention_steps
@@ -215,6 +224,7 @@ class Recorder:
         self.apply_pending()
         ep = self.open.get(episode)
         if ep is None:
+            self.end_column_episode(episode, reason, final_obs)
             return
         arrays = (
             pack("final_obs", {k: np.asarray(v)[None] for k, v in final_obs.items()}) if final_obs else {}
@@ -249,11 +259,16 @@ class Recorder:
         victims = [e for e, ep in self.open.items() if worker is None or ep.rows.worker == worker]
         for episode in victims:
             self.end(episode, "interrupted")
-        return len(victims)
+        return len(victims) + self.interrupt_columns(worker)
 
     def open_workers(self) -> set[str]:
         self.apply_pending()
-        return {ep.rows.worker for ep in self.open.values()}
+        return {ep.rows.worker for ep in self.open.values()} | self.column_workers()
+
+    def open_episodes(self) -> int:
+        """Episodes open now (on either path)."""
+        self.apply_pending()
+        return len(self.open) + self.column_open_count()
 
     # ------------------------------------------------------------------ chunks
 
@@ -301,7 +316,8 @@ class Recorder:
         """Acknowledged steps the sink has not stored yet: safe in the spool, and
         delivered from it on the next start if this process ends first."""
         self.apply_pending()
-        return sum(n for _, _, n in self._inflight.values()) + sum(len(ep.rows) for ep in self.open.values())
+        held = sum(len(ep.rows) for ep in self.open.values()) + self.column_held_steps()
+        return sum(n for _, _, n in self._inflight.values()) + held
 
     def _append(self, msg: Message) -> Any:
         """Write a record; an ``OSError`` (disk full) is recorded in :attr:`spool_error`
@@ -340,7 +356,7 @@ class Recorder:
         self._spool.roll()
         snapshot = {
             "kind": "snapshot",
-            "open": {e: ep.next_step for e, ep in self.open.items()},
+            "open": {**{e: ep.next_step for e, ep in self.open.items()}, **self.column_open_ids()},
             "closed": dict(self.closed),
             "counters": self.counters.to_dict(),
         }
@@ -374,6 +390,14 @@ class Recorder:
                 self._apply_steps_recovering(
                     msg.meta, Transitions.from_spool(msg.meta["episodes"], arrays), pos.segment
                 )
+            elif kind == "batch":
+                arrays = {k: np.array(v) for k, v in msg.arrays.items()}
+                ids, _ = batch_from_spool(msg.meta, arrays)
+                self._apply_steps_recovering(msg.meta, Transitions.from_spool(ids, arrays), pos.segment)
+            elif kind == "ends":
+                final = unpack("final_obs", msg.arrays)
+                for j, (episode, reason) in enumerate(zip(msg.meta["episodes"], msg.meta["reasons"])):
+                    pending_ends[episode] = (reason, {k: np.array(v[j]) for k, v in final.items()} or None)
             elif kind == "end":
                 final = unpack("final_obs", msg.arrays)
                 pending_ends[msg.meta["episode"]] = (

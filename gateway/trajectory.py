@@ -78,8 +78,8 @@ class Transitions:
         again = Transitions.from_spool(episodes, record)
     """
 
-    episodes: list[str]
-    """Episode id of each row (:func:`episode_id`)."""
+    episodes: Sequence[str]
+    """Episode id of each row (:func:`episode_id`; a batch's are made lazily)."""
     envs: np.ndarray
     """int64[n]: the env index within its worker."""
     obs: dict[str, np.ndarray]

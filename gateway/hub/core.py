@@ -35,6 +35,7 @@ from gateway import steps
 from gateway.config import GatewayConfig
 from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
+from gateway.hub.accounting import account
 from gateway.hub.clients import ClientRouter
 from gateway.hub.control import ControlDesk
 from gateway.hub.state import HOLD_MESSAGES, Collection, WorkerSession
@@ -55,7 +56,7 @@ from gateway.protocol import (
 from gateway.protocol.schemas import WORKER_OBSERVATION
 from gateway.recorder import Recorder
 from gateway.steps import StepInfo
-from gateway.trajectory import Transitions, episode_id
+from gateway.trajectory import Transitions
 from gateway.transport import CurveKeys, bind, make_socket
 
 log = logging.getLogger(__name__)
@@ -308,45 +309,9 @@ class Gateway:
         written: int,
     ) -> None:
         """Chunking, episode ends, evaluation and lag for the steps just spooled."""
-        self.recorder.apply_pending()
-        terminated, truncated = info.terminated, info.truncated
-        done = terminated | truncated
-        if completed is not None:
-            rows, versions = completed.envs, completed.columns["policy_version"]
-            self.lag.observe(versions, np.asarray(completed.columns["t_action"]))
-            self.evaluator.steps(
-                session.uid,
-                rows,
-                info.reward[rows],
-                info.success[rows],
-                versions,
-                done[rows],
-                session.num_envs,
-            )
-            if done.any():
-                final = unpack("final_obs", msg.arrays)
-                for j, r in enumerate(rows.tolist()):
-                    if done[r]:
-                        reason = "terminated" if terminated[r] else "truncated"
-                        fo = {k: v[r] for k, v in final.items()} if final else None
-                        self.recorder.end(completed.episodes[j], reason, fo)
-            session.env_steps += written
-            self.state.env_steps += written
-        # Envs that start a new episode without finishing the old one (a reset) leave it
-        # interrupted; its steps so far are kept.
-        fresh = ~info.has_prev
-        if fresh.any():
-            for i in np.flatnonzero(fresh).tolist():
-                if old_episodes is not None and i < len(old_episodes):
-                    old = episode_id(session.uid, i, int(old_episodes[i]))
-                    if old in self.recorder.open:
-                        self.recorder.end(old, "interrupted")
-                self.evaluator.interrupted(session.uid, i)
-        # Every episode that starts now may be an evaluation episode.
-        starting = fresh | done
-        if starting.any():
-            for i in np.flatnonzero(starting).tolist():
-                self.evaluator.new_episode(session.uid, i, session.num_envs)
+        account(self, session, msg, info, completed, old_episodes, written)
+
+    def note_rate(self) -> None:
         self._rate.append((time.monotonic(), self.state.env_steps))
 
     def route_observation(self, session: WorkerSession, msg: Message) -> None:
@@ -464,7 +429,7 @@ class Gateway:
             "budget_reached": self.state.budget_reached,
             "held": self.hold_reason(),
             "spooled_steps": self.recorder.undelivered_steps(),
-            "open_episodes": len(self.recorder.open),
+            "open_episodes": self.recorder.open_episodes(),
             "unacked_chunks": self.recorder.unacked_chunks,
             "sink": self.recorder.sink.describe(),
             "sink_backlog": self.recorder.sink.backlog(),

@@ -20,11 +20,12 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
+from gateway.env_columns import EpisodeIds
 from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
 from gateway.protocol import ErrorCode, Limits, Message, ProtocolError, unpack
 from gateway.steps import StepInfo
-from gateway.trajectory import Transitions, episode_id
+from gateway.trajectory import Transitions
 
 HOLD_MESSAGES = {
     "estop": "the e-stop is engaged; steps resume once it is released",
@@ -160,8 +161,8 @@ class WorkerSession:
             "step": np.asarray(step, dtype=np.int64),
             "intervention": np.full(len(rows), self.takeover_seq == self.last_seq),
         }
-        ids = [episode_id(self.uid, r, int(e)) for r, e in zip(rows.tolist(), np.asarray(episode).tolist())]
-        return Transitions(ids, rows, obs, action, columns)
+        # Ids as two arrays: strings are made only for the episodes a chunk or an end names.
+        return Transitions(EpisodeIds(self.uid, rows, np.asarray(episode)), rows, obs, action, columns)
 
 
 class Hub(Protocol):
