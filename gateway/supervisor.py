@@ -164,7 +164,7 @@ class Supervisor:
                 timeout,
                 ", ".join(p.service.name for p in groups[order]),
             )
-            while not ready(groups[order]):
+            while not (self.placed(groups[order]) and ready(groups[order])):
                 self.supervise()
                 if self.failed or should_stop():
                     return
@@ -174,6 +174,13 @@ class Supervisor:
                     )
                     return
                 time.sleep(0.1)
+
+    def placed(self, group: list[Proc]) -> bool:
+        """Whether a launcher has put every process of ``group`` where its addresses point
+        (always, for child processes): services started later read those addresses."""
+        return self.launcher is None or all(
+            self.launcher.placed(p.popen) for p in group if p.popen is not None and p.state == "running"
+        )
 
     def supervise(self) -> None:
         now = time.monotonic()
@@ -465,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def ready(group: list[Proc]) -> bool:
         if any(p.service.name == "gateway" for p in group):
+            # An engine may have moved the gateway to its node's address; asked after a
+            # timeout (a fresh connection), the client uses it.
+            control.address = run.endpoints["gateway"]["control"]
             try:
                 control.request("status", timeout_s=0.5)
             except (Timeout, RemoteError):

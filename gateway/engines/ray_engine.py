@@ -242,6 +242,11 @@ class RayLauncher:
 
         return placed
 
+    def placed(self, handle: Any) -> bool:
+        """Whether ``handle``'s addresses are final: at once on loopback, where they never
+        change; on other interfaces once Ray has placed it and its node's IP is written."""
+        return not self.rehost or handle.state != "placing"
+
     def end_session(self, handle: Any) -> None:
         handle.release()
 

@@ -1,0 +1,172 @@
+"""The engine layer without a cluster: config, placement, addresses, the scale command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from gateway.config import ConfigError, from_dict
+from gateway.engines.scaling import parse_target, request_scale
+from tests.conftest import REPO, loopgate, wait_for
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_local_engine_and_loopgate_up_never_import_ray():
+    code = (
+        "import sys\n"
+        "import gateway.supervisor, gateway.cli\n"
+        "from gateway.config import from_dict\n"
+        "from gateway.engines import open_engine\n"
+        "engine = open_engine(from_dict({}))\n"
+        "assert engine.name == 'local' and engine.launcher(None, None) is None\n"
+        "assert 'ray' not in sys.modules, 'ray imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def test_placement_is_found_by_name_then_longest_prefix():
+    cfg = from_dict(
+        {
+            "run": {
+                "engine": "ray",
+                "placement": {
+                    "worker": {"resources": {"cpu_node": 1}},
+                    "worker-0": {"num_cpus": 2, "labels": {"loopgate/host": "arm0"}},
+                    "inference": {"num_gpus": 1, "memory_mb": 2048},
+                },
+            }
+        }
+    )
+    assert cfg.run.placement_for("worker-0").labels == {"loopgate/host": "arm0"}
+    assert cfg.run.placement_for("worker-3").resources == {"cpu_node": 1.0}
+    assert cfg.run.placement_for("inference-1").num_gpus == 1.0
+    assert cfg.run.placement_for("gateway").num_cpus == 1.0  # the default
+
+
+@pytest.mark.parametrize(
+    ("run", "message"),
+    [
+        ({"engine": "kubernetes"}, "run.engine must be one of 'local', 'ray', got 'kubernetes'"),
+        ({"placement": {"worker": {"num_cpus": -1}}}, "run.placement.worker: num_cpus must be >= 0"),
+        ({"placement": {"worker": {"gpus": 1}}}, "run.placement.worker: unknown key(s) gpus"),
+        ({"placement": {"trainer": {"resources": {"gpu_node": 0}}}}, "resources.gpu_node must be > 0"),
+        ({"trainer_strategy": "SCATTER"}, "run.trainer_strategy must be one of"),
+    ],
+)
+def test_bad_engine_settings_name_the_field(run, message):
+    with pytest.raises(ConfigError) as err:
+        from_dict({"run": run})
+    assert message in str(err.value)
+
+
+def test_actor_options_and_bundles_carry_every_reservation():
+    from gateway.config import Placement
+    from gateway.engines.ray_engine import actor_options, bundle
+
+    p = Placement(num_cpus=2, num_gpus=1, memory_mb=512, resources={"robot_arm0": 1}, labels={"host": "a"})
+    assert actor_options(p) == {
+        "num_cpus": 2,
+        "num_gpus": 1,
+        "memory": 512 << 20,
+        "resources": {"robot_arm0": 1},
+        "label_selector": {"host": "a"},
+    }
+    assert bundle(p) == {"CPU": 2, "GPU": 1, "memory": float(512 << 20), "robot_arm0": 1}
+
+
+def test_each_rank_runs_the_trainer_itself_instead_of_torchrun():
+    from gateway.engines.ray_engine import rank_argv
+
+    argv = [
+        "/venv/bin/python",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--log-dir=/run/logs/torchrun",
+        "-m",
+        "trainer",
+        "--config",
+        "/run/config.yaml",
+    ]
+    assert rank_argv(argv) == ["/venv/bin/python", "-m", "trainer", "--config", "/run/config.yaml"]
+    assert rank_argv(["python", "-m", "trainer"]) == ["python", "-m", "trainer"]
+
+
+def test_a_placed_service_binds_its_nodes_ip():
+    from gateway.engines.ray_engine import rehost
+
+    endpoints = {
+        "gateway": {"workers": "tcp://0.0.0.0:5001", "control": "tcp://0.0.0.0:5002"},
+        "inference": [{"requests": "tcp://0.0.0.0:6001"}, {"requests": "tcp://0.0.0.0:6004"}],
+        "metrics": {"inference-1": "http://0.0.0.0:7001/metrics", "gateway": "http://0.0.0.0:7002/metrics"},
+    }
+    assert rehost(endpoints, "inference-1", "10.0.0.7")
+    assert endpoints["inference"][1] == {"requests": "tcp://10.0.0.7:6004"}
+    assert endpoints["inference"][0] == {"requests": "tcp://0.0.0.0:6001"}
+    assert endpoints["metrics"]["inference-1"] == "http://10.0.0.7:7001/metrics"
+    assert not rehost(endpoints, "inference-1", "10.0.0.7")  # unchanged: nothing to write
+    assert not rehost(endpoints, "worker-0", "10.0.0.8")  # binds nothing
+    assert rehost(endpoints, "gateway", "10.0.0.8")
+    assert endpoints["gateway"]["control"] == "tcp://10.0.0.8:5002"
+
+
+def test_loopback_addresses_on_a_cluster_of_several_hosts_are_refused():
+    from gateway.engines.ray_engine import check_cluster
+
+    cfg = from_dict({"run": {"engine": "ray"}})
+    one_host = [{"NodeManagerAddress": "10.0.0.1", "Resources": {}}] * 3
+    check_cluster(cfg, one_host, "10.0.0.1")
+    with pytest.raises(ConfigError, match=r"gateway.host .127.0.0.1. is loopback .*10\.0\.0\.2"):
+        check_cluster(cfg, [*one_host, {"NodeManagerAddress": "10.0.0.2", "Resources": {}}], "10.0.0.1")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("env.workers", "expected env.workers=N"),
+        ("inference.max_batch=4", "expected env.workers=N"),
+        ("env.workers=two", "env.workers must be an integer, got 'two'"),
+        ("env.workers=0", "env.workers must be >= 1, got 0"),
+    ],
+)
+def test_bad_scale_targets_are_refused(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_target(text)
+    assert parse_target("env.workers= 3") == ("env.workers", 3)
+
+
+def test_scale_without_a_live_run_fails_and_withdraws_its_request(tmp_path):
+    (tmp_path / "endpoints.json").write_text("{}")
+    result = loopgate("scale", str(tmp_path), "env.workers=3", "--timeout", "1", timeout=60)
+    assert result.returncode == 1
+    assert "no loopgate up answered" in result.stderr
+    assert list((tmp_path / "requests").iterdir()) == []
+    result = loopgate("scale", str(tmp_path / "nope"), "env.workers=3", timeout=60)
+    assert result.returncode == 2 and "is not a run folder" in result.stderr
+    result = loopgate("scale", str(tmp_path), "env.workers=-1", timeout=60)
+    assert result.returncode == 2 and "must be >= 1" in result.stderr
+
+
+def test_a_claimed_scale_request_gets_its_answer(tmp_path):
+    """The driver's side of the exchange, run by hand: claim the request, answer it."""
+    (tmp_path / "endpoints.json").write_text("{}")
+    answer = {"ok": True, "env.workers": 3}
+
+    def driver() -> None:
+        folder = tmp_path / "requests"
+        wait_for(lambda: folder.is_dir() and list(folder.glob("scale-*.json")), timeout=15, what="a request")
+        request = next(folder.glob("scale-*.json"))
+        assert json.loads(request.read_text()) == {"env.workers": 3}
+        request.rename(request.with_suffix(".taken"))
+        (folder / f"{request.stem}.done.json").write_text(json.dumps(answer))
+
+    thread = threading.Thread(target=driver, daemon=True)
+    thread.start()
+    assert request_scale(tmp_path, "env.workers", 3, timeout_s=20) == answer
+    thread.join(timeout=5)
