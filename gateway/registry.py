@@ -15,6 +15,7 @@ BACKENDS: dict[str, str] = {
     "ros2": "robots.ros2:Ros2Backend",
     "counter": "sim_bridges.counter:CounterBackend",
     "mjlab": "sim_bridges.mjlab:MjlabBackend",
+    "torch_reach": "sim_bridges.torch_reach:TorchReachBackend",
 }
 """Episode backends by the name ``env.backend`` uses."""
 
