@@ -15,6 +15,7 @@ BACKENDS: dict[str, str] = {
     "ros2": "robots.ros2:Ros2Backend",
     "counter": "sim_bridges.counter:CounterBackend",
     "mjlab": "sim_bridges.mjlab:MjlabBackend",
+    "isaac": "sim_bridges.isaac:IsaacLabBackend",
     "torch_reach": "sim_bridges.torch_reach:TorchReachBackend",
 }
 """Episode backends by the name ``env.backend`` uses."""
@@ -66,6 +67,15 @@ SINKS: dict[str, str] = {
 episode store is the default."""
 
 
+ISAAC_HINT = (
+    "Isaac Lab runs in Isaac Sim's own Python, in a venv of its own: Isaac Sim 6.x needs Python 3.12, "
+    "glibc >= 2.35 and an RTX-class NVIDIA GPU (Isaac Sim 5.x: Python 3.11); in a python3.12 venv: "
+    "pip install 'isaacsim[all,extscache]==6.0.1' --extra-index-url https://pypi.nvidia.com, then Isaac Lab "
+    "(its install guide) and pip install -e '/path/to/loopgate[worker]'; set env.python to that venv's python "
+    "(see docs/isaac.md)"
+)
+"""What Isaac Lab needs; shown by ``loopgate doctor`` and by config errors when it is missing."""
+
 INSTALL_HINTS: dict[str, str] = {
     "imageio": "pip install 'gymnasium[mujoco]' (Gymnasium's MuJoCo envs render through imageio)",
     "mujoco": "pip install mujoco",
@@ -73,6 +83,12 @@ INSTALL_HINTS: dict[str, str] = {
     "torch": "pip install torch==2.13.0",
     "ale_py": "pip install 'gymnasium[atari]'",
     "Box2D": "pip install 'gymnasium[box2d]'",
+    "isaaclab": ISAAC_HINT,
+    "isaaclab_tasks": ISAAC_HINT,
+    "isaacsim": ISAAC_HINT,
+    "omni": ISAAC_HINT,
+    "mjlab": "mjlab pins mujoco~=3.11 and runs in its own venv: `make install` creates .venv-mjlab; "
+    "set env.python: .venv-mjlab/bin/python (see docs/isaac.md)",
 }
 """What to install for a package a backend needs, by its import name."""
 
