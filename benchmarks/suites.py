@@ -21,6 +21,7 @@ SUITES: dict[str, str] = {
     "ros2": "benchmarks.ros2_latency:run",
     "replay": "benchmarks.replay:run",
     "trainer": "benchmarks.trainer:run",
+    "learn": "benchmarks.learn:run",
 }
 """Suites in the order they run."""
 
