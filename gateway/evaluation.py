@@ -194,4 +194,15 @@ class LagTracker:
                 "mean": round(self.seconds.mean, 4),
                 "p99": round(self.seconds.percentile(99), 4),
             },
+            "policy_lag_hist": lag_counts(self.versions),
         }
+
+
+def lag_counts(hist: Histogram) -> dict[str, int]:
+    """Steps per policy lag (in versions) of a lag histogram: exact for lags up to about 25
+    (one log bucket per integer), merged into the bucket's middle value beyond."""
+    out: dict[str, int] = {}
+    for bucket, count in sorted(hist.counts.items()):
+        lag = 0 if bucket == -10_000 else round(Histogram.GROWTH ** (bucket + 0.5))
+        out[str(lag)] = out.get(str(lag), 0) + count
+    return out

@@ -117,13 +117,21 @@ class TapFrame:
 class TapReader:
     """The watcher's side: one SUB socket on every tap, newest message per worker."""
 
-    def __init__(self, ctx: zmq.Context[Any], addresses: list[str]) -> None:
+    def __init__(self, ctx: zmq.Context[Any], addresses: list[str], *, subscribe: bool = True) -> None:
         self.sock = make_socket(ctx, zmq.SUB, rcvhwm=8)
-        self.sock.subscribe(b"")
+        if subscribe:
+            self.sock.subscribe(b"")
         for address in addresses:
             self.sock.connect(address)
         self.addresses = list(addresses)
         self.malformed = 0
+
+    def subscribed(self, on: bool) -> None:
+        """Start (or stop) hearing the taps: they publish only while someone subscribes."""
+        if on:
+            self.sock.subscribe(b"")
+        else:
+            self.sock.unsubscribe(b"")
 
     def poll(self, timeout_s: float) -> dict[str, TapFrame]:
         """Wait up to ``timeout_s`` for messages; return the newest per worker uid."""

@@ -183,3 +183,38 @@ def test_metrics_tail_follows_the_file_and_skips_torn_and_corrupt_lines(tmp_path
         for t in (5.0, 6.0, 7.0):
             f.write(json.dumps({"t": t, "service": "up", "steps_per_s": t}) + "\n")
     assert tail.series()["steps_per_s"] == {"x": [5.0, 6.0, 7.0], "y": [5.0, 6.0, 7.0]}  # newest 3
+
+
+def test_metrics_tail_groups_hops_replay_tables_and_keeps_the_newest_lag_histogram(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    hops = {"policy": {"p50": 60.0, "p99": 900.0}, "env_step": {"p50": 5000.0, "p99": 9000.0}}
+    table = {"size": 50, "max_size": 200, "rate_limiter": {"inserts": 100, "samples": 400}}
+    lines = [
+        {
+            "t": 1.0,
+            "service": "gateway",
+            "hops_us": hops,
+            "intervention_rate": 0.25,
+            "policy_lag_hist": {"0": 5, "1": 2},
+        },
+        {
+            "t": 2.0,
+            "service": "replay",
+            "tables": {"online": table, "demos": {"size": 0, "max_size": 10, "rate_limiter": {"inserts": 0}}},
+        },
+        {
+            "t": 3.0,
+            "service": "gateway",
+            "hops_us": {"policy": "garbage"},
+            "policy_lag_hist": {"0": 9, "1": 3},
+        },
+        {"t": 4.0, "service": "gateway", "policy_lag_hist": {"0": "not a count"}},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    tail = MetricsTail(path)
+    s = tail.series()
+    assert s["hop_p50/policy"] == {"x": [1.0], "y": [60.0]} and s["hop_p99/env_step"]["y"] == [9000.0]
+    assert s["intervention_rate"]["y"] == [0.25]
+    assert s["replay_fill/online"]["y"] == [0.25] and s["samples_per_insert/online"]["y"] == [4.0]
+    assert s["replay_fill/demos"]["y"] == [0.0] and "samples_per_insert/demos" not in s  # nothing inserted
+    assert tail.histograms() == {"policy_lag": {"0": 9, "1": 3}}  # the newest valid one

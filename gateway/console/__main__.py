@@ -94,6 +94,13 @@ def _token_file(run_dir: Path) -> str:
     return token
 
 
+def _replay_control(endpoints: dict[str, object]) -> str | None:
+    """The replay service's control address (takes are stored as demos there), if one runs."""
+    replay = endpoints.get("replay")
+    address = replay.get("control") if isinstance(replay, dict) else None
+    return address if isinstance(address, str) else None
+
+
 def serve(
     cfg: ConsoleConfig,
     credentials: list[Credential],
@@ -109,6 +116,7 @@ def serve(
     from gateway.console.camera import FrameSource
     from gateway.console.link import GatewayLink
     from gateway.console.metrics import MetricsTail
+    from gateway.console.recording import Recorder
     from gateway.services import free_port
 
     port = cfg.port or free_port(cfg.host if cfg.host != "0.0.0.0" else "127.0.0.1")
@@ -125,6 +133,7 @@ def serve(
         clients_address=gateway["clients"],
         metrics=MetricsTail(metrics_path),
         frames=FrameSource([str(a) for a in taps]),
+        recorder=Recorder(_replay_control(endpoints), mark_reward=cfg.mark_success_reward),
     )
     link.start()
     assert console.frames is not None

@@ -36,8 +36,10 @@ from gateway.console.auth import Credential, Role, Sessions, authenticate, origi
 from gateway.console.config import ConsoleConfig
 from gateway.console.link import GatewayLink
 from gateway.console.metrics import MetricsTail
+from gateway.console.recording import Recorder, RecordingError
 from gateway.console.teleop import CommandError, TeleopLoop, TeleopSettings, parse_command
 from gateway.protocol import RemoteError, Timeout
+from gateway.tap import TapFrame
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class ConsoleApp:
     metrics: MetricsTail | None = None
     frames: camera.FrameSource | None = None
     """The workers' taps (camera frames, env state); None: no live feed."""
+    recorder: Recorder = field(default_factory=lambda: Recorder(None))
+    """Takes stored as demonstrations through the replay service."""
     teleop: TeleopLoop | None = None
     teleop_owner: object | None = None
     teleop_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -141,7 +145,10 @@ def create_app(console: ConsoleApp) -> FastAPI:
     def metrics(request: Request) -> JSONResponse:
         if role_of(request) is None:
             return _error(401, "not logged in")
-        return JSONResponse({"series": console.metrics.series() if console.metrics else {}})
+        if console.metrics is None:
+            return JSONResponse({"series": {}, "histograms": {}})
+        series = console.metrics.series()
+        return JSONResponse({"series": series, "histograms": console.metrics.histograms()})
 
     # The e-stop path: a plain POST served from the thread pool with its own control
     # connection; it never waits for the WebSockets, the status poller or a takeover.
@@ -177,6 +184,85 @@ def create_app(console: ConsoleApp) -> FastAPI:
             return _error(502, f"the gateway did not take the resume: {exc}")
         log.warning("e-stop lifted from the console")
         return JSONResponse({"estopped": False, "reply": reply})
+
+    def operator_post(request: Request) -> JSONResponse | None:
+        if (refused := refuse_post(request)) is not None:
+            return refused
+        role = role_of(request)
+        if role is None:
+            return _error(401, "not logged in")
+        return None if role == "operator" else _error(403, "only an operator can record and label")
+
+    def where(body: Any) -> tuple[str, int, TapFrame]:
+        """The worker, env and that env's newest observation a recording request names."""
+        take = console.recorder.take
+        worker = take.worker if take else body.get("worker") if isinstance(body, dict) else None
+        env = take.env if take else body.get("env", 0) if isinstance(body, dict) else 0
+        if not isinstance(worker, str) or not worker:
+            raise RecordingError(f"name the worker to record (see the fleet view), got {worker!r}")
+        if not isinstance(env, int) or isinstance(env, bool) or env < 0:
+            raise RecordingError(f"env must be a non-negative integer, got {env!r}")
+        try:
+            frame = (console.frames or camera.FrameSource([])).current(worker)
+        except LookupError as exc:
+            raise RecordingError(str(exc)) from None
+        if env >= frame.num_envs:
+            raise RecordingError(f"worker {worker} has envs 0..{frame.num_envs - 1}, not {env}")
+        return worker, env, frame
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise RecordingError("the request needs a JSON body") from None
+        if not isinstance(body, dict):
+            raise RecordingError("the request body must be a JSON object")
+        return body
+
+    @app.post("/api/record")
+    async def record(request: Request) -> JSONResponse:
+        """``{action: start|stop|rerecord, worker, env, note}``."""
+        if (refused := operator_post(request)) is not None:
+            return refused
+        rec = console.recorder
+        try:
+            body = await body_of(request)
+            action = body.get("action")
+            if action not in ("start", "stop", "rerecord"):
+                raise RecordingError(f"action must be start, stop or rerecord, got {action!r}")
+            worker, env, frame = await run_in_threadpool(where, body)
+            episode, step = int(frame.info.episode[env]), int(frame.info.step[env])
+            if action == "stop":
+                result = await run_in_threadpool(rec.stop, episode, step, body.get("note"))
+                return JSONResponse({"stored": result, **rec.state()})
+            if action == "rerecord":
+                discarded = rec.discard()
+                started = rec.start(worker, env, episode, step)
+                return JSONResponse({"discarded": discarded, "started": started, **rec.state()})
+            return JSONResponse({"started": rec.start(worker, env, episode, step), **rec.state()})
+        except RecordingError as exc:
+            return _error(409, str(exc))
+
+    @app.post("/api/label")
+    async def label(request: Request) -> JSONResponse:
+        """``{label: success|failure, note}`` for the take being recorded."""
+        if (refused := operator_post(request)) is not None:
+            return refused
+        rec = console.recorder
+        try:
+            body = await body_of(request)
+            _, env, frame = await run_in_threadpool(where, body)
+            episode, step = int(frame.info.episode[env]), int(frame.info.step[env])
+            marked = rec.mark(body.get("label"), body.get("note"), episode, step)
+            return JSONResponse({"marked": marked, **rec.state()})
+        except RecordingError as exc:
+            return _error(409, str(exc))
+
+    @app.get("/api/record")
+    def record_state(request: Request) -> JSONResponse:
+        if role_of(request) is None:
+            return _error(401, "not logged in")
+        return JSONResponse(console.recorder.state())
 
     async def admit(ws: WebSocket) -> Role | None:
         """The handshake's checks; a refused one is closed before it is accepted (HTTP 403)."""

@@ -1,8 +1,9 @@
 """The robot view's live feed: camera frames and env state from the workers' taps.
 
 A :class:`FrameSource` thread reads every worker's observation tap (:mod:`gateway.tap`,
-addresses in ``endpoints.json["taps"]``) and keeps the newest message per worker; it
-watches nothing (the workers publish nothing) until a page asks. Each viewer opens one
+addresses in ``endpoints.json["taps"]``) and keeps the newest message per worker. It
+subscribes only while a viewer is connected or a recording needs the env's step, so
+with nobody watching the workers publish nothing. Each viewer opens one
 WebSocket, ``/ws/camera``, and says what to watch::
 
     -> {"type": "watch", "worker": "host-123-ab12cd", "env": 0}
@@ -106,20 +107,33 @@ class FrameSource:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="console-frames", daemon=True)
         self.frames = 0
+        self.wanted = 0
+        """Viewers and recordings that need frames; the taps publish only while it is > 0."""
+        self._fresh = threading.Condition(self._lock)
+
+    def want(self, delta: int) -> None:
+        """One more (+1) or one less (-1) user of the frames."""
+        with self._lock:
+            self.wanted = max(0, self.wanted + delta)
 
     def start(self) -> None:
         if self.addresses:
             self._thread.start()
 
     def _run(self) -> None:
-        reader = TapReader(self._ctx, self.addresses)
+        reader = TapReader(self._ctx, self.addresses, subscribe=False)
+        subscribed = False
         try:
             while not self._stop.is_set():
-                fresh = reader.poll(0.2)
+                if (self.wanted > 0) != subscribed:  # nobody watching: the workers publish nothing
+                    subscribed = not subscribed
+                    reader.subscribed(subscribed)
+                fresh = reader.poll(0.1)
                 if not fresh:
                     continue
                 with self._lock:
                     self.latest.update(fresh)
+                    self._fresh.notify_all()
                     self.frames += len(fresh)
                     live = {(f.uid, f.seq) for f in self.latest.values()}
                     self._jpegs = {k: v for k, v in self._jpegs.items() if (k[0], k[1]) in live}
@@ -128,6 +142,24 @@ class FrameSource:
                     loop.call_soon_threadsafe(event.set)
         finally:
             reader.close()
+
+    def current(self, uid: str, timeout_s: float = 3.0) -> TapFrame:
+        """A frame of ``uid`` at most 0.5 s old, waiting up to ``timeout_s`` for one;
+        :class:`LookupError` naming the worker when none comes."""
+        self.want(1)
+        try:
+            deadline = time.monotonic() + timeout_s
+            with self._lock:
+                while True:
+                    frame = self.latest.get(uid)
+                    if frame is not None and time.time() - frame.t_received < 0.5:
+                        return frame
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise LookupError(f"no observation of worker {uid!r} arrived within {timeout_s:g} s")
+                    self._fresh.wait(left)
+        finally:
+            self.want(-1)
 
     async def wait_newer(self, uid: str, seq: int, timeout_s: float) -> TapFrame | None:
         """The newest frame of ``uid`` once its seq is past ``seq``; None after ``timeout_s``."""
@@ -253,6 +285,7 @@ def install(app: FastAPI, source: FrameSource, admit: Callable[[WebSocket], Awai
         if await admit(ws) is None:
             return
         viewer = Viewer(ws, source)
+        source.want(1)
         sender = asyncio.create_task(viewer.send_frames())
         try:
             await viewer.receive()
@@ -260,3 +293,4 @@ def install(app: FastAPI, source: FrameSource, admit: Callable[[WebSocket], Awai
             pass
         finally:
             sender.cancel()
+            source.want(-1)

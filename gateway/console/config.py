@@ -55,6 +55,8 @@ class ConsoleConfig:
     """Commands per second one operator may send; the rest are dropped and counted."""
     teleop_scale: float = 0.5
     """Full key deflection as a fraction of the action's bound."""
+    mark_success_reward: float | None = None
+    """Reward given to a step an operator marks successful while recording (None: keep the env's)."""
 
     def __post_init__(self) -> None:
         if not self.host:

@@ -6,6 +6,12 @@ few series, so a long run costs the console a bounded amount of memory::
 
     tail = MetricsTail(run_dir / "metrics.jsonl")
     tail.series()   # {"steps_per_s": {"x": [unix t...], "y": [...]}, "success_rate": ...}
+    tail.histograms()   # {"policy_lag": {"0": 1200, "1": 340, ...}}: the newest only
+
+A series named ``group/member`` is one line of a chart with several (the page draws
+``hop_p50/policy`` and ``hop_p50/env_step`` in one chart): per-hop latency p50 and p99
+(the gateway's ``hops_us``), each replay table's fill (size / max_size) and its
+samples per insert (sampled items / inserted items, what ``samples_per_insert`` holds).
 
 A torn last line (a writer mid-append) is left for the next read.
 """
@@ -27,6 +33,7 @@ SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "success_rate": ("trainer", ("eval", "success_rate")),
     "return_mean": ("trainer", ("eval", "return_mean")),
     "updates_per_s": ("trainer", ("updates_per_s",)),
+    "intervention_rate": ("gateway", ("intervention_rate",)),
 }
 """Series name -> (the service whose lines carry it, the path of keys to the value)."""
 
@@ -52,6 +59,7 @@ class MetricsTail:
         self._offset = 0
         self._lock = threading.Lock()
         self._series: dict[str, tuple[deque[float], deque[float]]] = {}
+        self._histograms: dict[str, dict[str, int]] = {}
 
     def _add(self, name: str, t: float, value: float) -> None:
         if name not in self._series:
@@ -71,6 +79,36 @@ class MetricsTail:
             for key in list(record):
                 if key.endswith(LOSS_SUFFIX) and (v := _lookup(record, (key,))) is not None:
                     self._add(key, float(t), v)
+        if service == "gateway":
+            self._gateway(record, float(t))
+        if service == "replay":
+            self._replay(record, float(t))
+
+    def _gateway(self, record: dict[str, Any], t: float) -> None:
+        hops = record.get("hops_us")
+        if isinstance(hops, dict):
+            for hop, summary in hops.items():
+                for q in ("p50", "p99"):
+                    if (v := _lookup(summary if isinstance(summary, dict) else {}, (q,))) is not None:
+                        self._add(f"hop_{q}/{hop}", t, v)
+        hist = record.get("policy_lag_hist")
+        if isinstance(hist, dict) and all(isinstance(v, int) for v in hist.values()):
+            self._histograms["policy_lag"] = {str(k): int(v) for k, v in hist.items()}
+
+    def _replay(self, record: dict[str, Any], t: float) -> None:
+        tables = record.get("tables")
+        if not isinstance(tables, dict):
+            return
+        for name, table in tables.items():
+            if not isinstance(table, dict):
+                continue
+            size, cap = _lookup(table, ("size",)), _lookup(table, ("max_size",))
+            if size is not None and cap:
+                self._add(f"replay_fill/{name}", t, size / cap)
+            inserts = _lookup(table, ("rate_limiter", "inserts"))
+            samples = _lookup(table, ("rate_limiter", "samples"))
+            if inserts and samples is not None:
+                self._add(f"samples_per_insert/{name}", t, samples / inserts)
 
     def read(self) -> None:
         """Take the lines appended since the last read."""
@@ -97,3 +135,8 @@ class MetricsTail:
         self.read()
         with self._lock:
             return {name: {"x": list(xs), "y": list(ys)} for name, (xs, ys) in self._series.items()}
+
+    def histograms(self) -> dict[str, dict[str, int]]:
+        """The newest histograms (policy lag in versions -> steps); call after :meth:`series`."""
+        with self._lock:
+            return {name: dict(h) for name, h in self._histograms.items()}

@@ -14,7 +14,9 @@ Refusals are typed, and the gateway's sink waits and resends:
 - ``rate_limited``: the tables hold more items waiting for their rate limiters than
   ``max_pending`` (the trainer is behind): new chunks wait at the gateway.
 
-Demonstrations are imported here too (``import_run``), so one thread owns the log.
+Demonstrations are imported here too (``import_run``), and the console's recorded
+takes stored as demonstrations (``demo``, :mod:`trainer.replay.demos`), so one thread
+owns the log.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from gateway.protocol import (
     send,
 )
 from gateway.trajectory import chunk_id, validate_chunk
+from trainer.replay.demos import parse_request, take_chunks
 from trainer.replay.log import ReplayLog, run_chunks
 from trainer.replay.storage import Layout, check_arrays
 
@@ -49,6 +52,10 @@ log = logging.getLogger(__name__)
 GROUP_MAX = 256
 """Most chunks committed as one group."""
 RETENTION_EVERY_S = 5.0
+DEMO_WAIT_S = 30.0
+"""How long a ``demo`` command waits for the take's steps to reach the log."""
+DEMO_RETRY_S = 0.25
+"""How often a waiting ``demo`` command looks for its steps again."""
 INGEST_LIMITS = Limits(max_frames=4096, max_frame_bytes=1 << 30, max_message_bytes=2 << 30)
 
 
@@ -110,6 +117,9 @@ class Ingest(threading.Thread):
         """Dtypes and per-step shapes of the stored steps, from the first chunk."""
         self._logged: set[tuple[bytes, str]] = set()
         self._last_retention = time.monotonic()
+        self._waiting: list[tuple[float, dict[str, Any], Callable[[dict[str, Any]], None]]] = []
+        """Demo jobs waiting for their steps: (deadline, request, done)."""
+        self._retry_at = 0.0
 
     # --------------------------------------------------------------- loop
 
@@ -226,16 +236,66 @@ class Ingest(threading.Thread):
         self.jobs.put((kind, arg, done))
 
     def _run_jobs(self) -> None:
+        now = time.monotonic()
+        if self._waiting and now >= self._retry_at:  # demos whose steps were still on their way
+            self._retry_at = now + DEMO_RETRY_S
+            waiting, self._waiting = self._waiting, []
+            for deadline, arg, done in waiting:
+                self._demo(arg, done, deadline, now)
         while True:
             try:
                 kind, arg, done = self.jobs.get_nowait()
             except queue.Empty:
                 return
+            if kind == "demo":
+                self._demo(arg, done, now + float(arg.get("wait_s", DEMO_WAIT_S)), now)
+                continue
             try:
                 result = self.import_run(arg) if kind == "import" else {"error": f"unknown job {kind}"}
             except (OSError, ProtocolError, KeyError) as exc:
                 result = {"error": f"{type(exc).__name__}: {exc}"}
             done(result)
+
+    def _demo(
+        self, meta: dict[str, Any], done: Callable[[dict[str, Any]], None], deadline: float, now: float
+    ) -> None:
+        """Store a console take as demonstrations once all its steps are in the log."""
+        try:
+            request = parse_request(meta)
+            chunks = take_chunks(request, self.log.episode_chunks)
+            if isinstance(chunks, str):
+                if now < deadline:
+                    self._waiting.append((deadline, meta, done))
+                    return
+                raise ProtocolError(ErrorCode.UNAVAILABLE, f"demo {request.take}: {chunks}")
+            for chunk in chunks:
+                validate_chunk(chunk)
+            new, dups = self.log.append_group(chunks)
+        except ProtocolError as exc:
+            done({"error": exc.message, "code": exc.code.value})
+            return
+        except OSError as exc:
+            done({"error": f"the replay log cannot store the demo: {exc}", "code": "storage"})
+            return
+        for chunk in new:
+            self.deliver(chunk)
+        steps = sum(int(c.meta["num_steps"]) for c in chunks)
+        log.info(
+            "take %s stored as %d demo episode(s), %d steps (%s)",
+            request.take,
+            len(chunks),
+            steps,
+            request.label,
+        )
+        done(
+            {
+                "take": request.take,
+                "episodes": [c.meta["episode_id"] for c in chunks],
+                "steps": steps,
+                "label": request.label,
+                "already_stored": len(dups),
+            }
+        )
 
     def import_run(self, src: str | Path) -> dict[str, Any]:
         return import_into(self.log, src, self.deliver)

@@ -21,12 +21,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from gateway.protocol import Message
-from gateway.segment_log import FsyncPolicy, ReadReport, SegmentLog
+from gateway.segment_log import FsyncPolicy, Position, ReadReport, SegmentLog
 from gateway.store import EpisodeStore
 from gateway.trajectory import StoreCount, count_chunks
 
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 LOG_DIR = Path("replay") / "log"
 """Where a run keeps the replay log, relative to the run folder."""
+INDEXED_EPISODES = 100_000
+"""Most recent episodes whose chunks' places in the log are remembered (:meth:`ReplayLog.episode_chunks`)."""
 
 
 class ReplayLog:
@@ -61,6 +64,34 @@ class ReplayLog:
         self.duplicates = 0
         self.syncs = 0
         self.deleted_segments = 0
+        self._where: OrderedDict[str, list[tuple[int, int, Position]]] = OrderedDict()
+
+    def _index(self, msg: Message, pos: Position) -> None:
+        episode = str(msg.meta.get("episode_id"))
+        first, n = int(msg.meta.get("first_step", 0)), int(msg.meta.get("num_steps", 0))
+        self._where.setdefault(episode, []).append((first, n, pos))
+        self._where.move_to_end(episode)
+        if len(self._where) > INDEXED_EPISODES:
+            self._where.popitem(last=False)
+
+    def episode_chunks(self, episode_id: str, first: int = 0, last: int | None = None) -> list[Message]:
+        """The stored chunks of a recent episode (:data:`INDEXED_EPISODES`) holding any of
+        steps ``first..last`` (None: to its end), read back from where they are in the
+        log; chunks of deleted segments are gone."""
+        out = []
+        for start, n, pos in list(self._where.get(episode_id, [])):
+            if start + n <= first or (last is not None and start > last):
+                continue
+            records = self._log.read(start=pos)
+            try:
+                at, msg = next(records)
+            except StopIteration:
+                continue
+            finally:
+                records.close()
+            if at == pos and msg.meta.get("episode_id") == episode_id:
+                out.append(msg)
+        return out
 
     @property
     def torn_bytes_cut(self) -> int:
@@ -68,8 +99,9 @@ class ReplayLog:
 
     def chunks(self, report: ReadReport | None = None) -> Iterator[Message]:
         """Every chunk in the log, oldest first; remembers their ids for deduplication."""
-        for _, msg in self._log.read(report=report if report is not None else self.report):
+        for pos, msg in self._log.read(report=report if report is not None else self.report):
             self.ids.add(msg.meta["chunk_id"])
+            self._index(msg, pos)
             yield msg
 
     def append_group(self, chunks: Iterable[Message]) -> tuple[list[Message], list[Message]]:
@@ -87,7 +119,7 @@ class ReplayLog:
             if cid in self.ids or cid in group:
                 dups.append(chunk)
                 continue
-            self._log.append(chunk)
+            self._index(chunk, self._log.append(chunk))
             group.add(cid)
             new.append(chunk)
             # Only now is it on disk: a failure above must not mark it as stored.

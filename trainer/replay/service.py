@@ -318,7 +318,7 @@ class ReplayService:
             return {"released": True, "admitted": admitted}
         raise ProtocolError(
             ErrorCode.BAD_REQUEST,
-            f"unknown command {cmd!r} (status, update_priorities, release_rate_limits, import)",
+            f"unknown command {cmd!r} (status, update_priorities, release_rate_limits, import, demo)",
         )
 
     def on_control_socket(self) -> None:
@@ -330,6 +330,12 @@ class ReplayService:
                 raise ProtocolError(
                     ErrorCode.UNEXPECTED, f"the control socket takes COMMAND, not {msg.type.name}"
                 )
+            if msg.meta.get("cmd") == "demo":  # answered once the take's steps are stored
+                seq = msg.seq
+                self.ingest.submit_job(
+                    "demo", dict(msg.meta), lambda result: self._post(("reply", route, seq, result))
+                )
+                return
             if msg.meta.get("cmd") == "import":
                 path = msg.meta.get("path")
                 if not isinstance(path, str) or not Path(path).is_dir():

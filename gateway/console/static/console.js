@@ -96,6 +96,71 @@ function renderFleet(f) {
 
 const charts = {};
 const METRICS_MS = 2000;
+const CHART_TITLES = {
+  hop_p50: "Per-hop latency p50 (µs)",
+  hop_p99: "Per-hop latency p99 (µs)",
+  replay_fill: "Replay fill (size / max size)",
+  samples_per_insert: "Samples per insert",
+  intervention_rate: "Intervention rate",
+};
+const COLORS = ["#06c", "#c60", "#090", "#909", "#666", "#c00", "#0aa", "#a60"];
+
+// Series named "group/member" share one chart (one line per member), aligned on time.
+function chartGroups(series) {
+  const groups = {};
+  for (const [name, points] of Object.entries(series)) {
+    const [group, member] = name.includes("/") ? name.split("/", 2) : [name, name];
+    (groups[group] = groups[group] || {})[member] = points;
+  }
+  return groups;
+}
+
+function alignedData(members) {
+  const xs = Array.from(new Set(Object.values(members).flatMap((p) => p.x))).sort((a, b) => a - b);
+  const data = [xs];
+  for (const points of Object.values(members)) {
+    const at = new Map(points.x.map((x, i) => [x, points.y[i]]));
+    data.push(xs.map((x) => (at.has(x) ? at.get(x) : null)));
+  }
+  return data;
+}
+
+function drawChart(group, members) {
+  const data = alignedData(members);
+  if (data[0].length < 2) return;
+  const names = Object.keys(members);
+  const known = charts[group];
+  if (known && known.names === names.join(",")) { known.plot.setData(data); return; }
+  if (known) { known.plot.destroy(); known.box.remove(); }
+  const box = document.createElement("figure");
+  box.dataset.series = group;
+  $("charts").append(box);
+  const series = [{}, ...names.map((n, i) => ({ label: n, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true }))];
+  const plot = new uPlot({ title: CHART_TITLES[group] || group, width: 420, height: 170, series }, data, box);
+  charts[group] = { plot, box, names: names.join(",") };
+}
+
+function drawHistogram(name, counts) {
+  const table = $("lag-histogram");
+  const entries = Object.entries(counts).map(([k, v]) => [Number(k), v]).sort((a, b) => a[0] - b[0]);
+  const total = entries.reduce((sum, [, v]) => sum + v, 0);
+  table.hidden = entries.length === 0;
+  table.querySelector("tbody").replaceChildren(...entries.map(([lag, count]) => {
+    const row = document.createElement("tr");
+    const bar = document.createElement("span");
+    bar.className = "bar";
+    bar.style.width = `${Math.max(1, Math.round((200 * count) / Math.max(1, total)))}px`;
+    for (const value of [lag, count]) {
+      const cell = document.createElement("td");
+      cell.textContent = String(value);
+      row.append(cell);
+    }
+    const cell = document.createElement("td");
+    cell.append(bar, ` ${((100 * count) / Math.max(1, total)).toFixed(1)} %`);
+    row.append(cell);
+    return row;
+  }));
+}
 
 async function refreshMetrics() {
   if (!role) return;
@@ -105,19 +170,8 @@ async function refreshMetrics() {
     if (!response.ok) return;
     data = await response.json();
   } catch (e) { return; }
-  for (const [name, points] of Object.entries(data.series)) {
-    if (points.x.length < 2) continue;
-    const values = [points.x, points.y];
-    if (charts[name]) { charts[name].setData(values); continue; }
-    const box = document.createElement("figure");
-    box.dataset.series = name;
-    $("charts").append(box);
-    charts[name] = new uPlot(
-      { title: name, width: 420, height: 170, series: [{}, { label: name, stroke: "#06c", width: 1.5 }] },
-      values,
-      box,
-    );
-  }
+  for (const [group, members] of Object.entries(chartGroups(data.series))) drawChart(group, members);
+  if (data.histograms && data.histograms.policy_lag) drawHistogram("policy_lag", data.histograms.policy_lag);
 }
 setInterval(refreshMetrics, METRICS_MS);
 

@@ -123,3 +123,47 @@ $("logout").addEventListener("click", () => { if (cameraSocket) cameraSocket.clo
 $("teleop-worker").addEventListener("change", watch);
 $("teleop-env").addEventListener("change", watch);
 setInterval(() => { if (role) { openCamera(); watch(); } }, 500);
+
+// Demonstrations: takes of the selected env, stored in the replay service's demos table.
+function showRecording(state) {
+  const operator = role === "operator";
+  $("rec-start").disabled = !operator || state.recording;
+  $("rec-stop").disabled = !operator || !state.recording;
+  $("rec-again").disabled = !operator || !state.recording;
+  $("mark-success").disabled = !operator || !state.recording;
+  $("mark-failure").disabled = !operator || !state.recording;
+  let line = state.recording
+    ? `recording take ${state.take} of ${state.worker} env ${state.env}${state.label ? ` (${state.label})` : ""}`
+    : "not recording";
+  if (!state.recording && state.last) {
+    line += `; last take ${state.last.take}: ${state.last.steps} steps stored as ${state.last.episodes.length} demo episode(s)`;
+    if (state.last.label) line += `, ${state.last.label}`;
+  }
+  $("rec-state").textContent = line;
+}
+
+async function recordAction(path, body) {
+  const target = watchTarget() || {};
+  try {
+    const state = await post(path, { ...target, note: $("demo-note").value || null, ...body });
+    showError("");
+    showRecording(state);
+    if (path === "/api/record" && body.action === "stop") $("demo-note").value = "";
+  } catch (e) { showError(`${body.action || body.label}: ${e.message}`); }
+}
+
+$("rec-start").addEventListener("click", () => recordAction("/api/record", { action: "start" }));
+$("rec-stop").addEventListener("click", () => {
+  $("rec-state").textContent = "storing the take...";
+  recordAction("/api/record", { action: "stop" });
+});
+$("rec-again").addEventListener("click", () => recordAction("/api/record", { action: "rerecord" }));
+$("mark-success").addEventListener("click", () => recordAction("/api/label", { label: "success" }));
+$("mark-failure").addEventListener("click", () => recordAction("/api/label", { label: "failure" }));
+setInterval(async () => {
+  if (!role || $("rec-state").textContent === "storing the take...") return;
+  try {
+    const response = await fetch("/api/record", { credentials: "same-origin" });
+    if (response.ok) showRecording(await response.json());
+  } catch (e) { /* the next poll tries again */ }
+}, 1000);
