@@ -13,14 +13,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import platform
 import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from gateway import __version__
+from gateway.factory import ConfigError
+from gateway.registry import ISAAC_HINT
+from gateway.venvs import check_interpreter
 
 
 @dataclass
@@ -134,6 +139,63 @@ def check_ros2() -> list[Check]:
     ]
 
 
+def _glibc() -> tuple[int, int] | None:
+    lib, version = platform.libc_ver()
+    if lib != "glibc" or not version:
+        return None
+    major, _, minor = version.partition(".")
+    return int(major), int(minor.split(".")[0] or 0)
+
+
+def _nvidia_gpus() -> list[str]:
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (subprocess.TimeoutExpired, OSError):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.startswith("GPU ")]
+
+
+def check_isaac() -> list[Check]:
+    """Isaac Lab, without importing it: it needs its own Python, a new glibc and an RTX GPU."""
+    here = importlib.util.find_spec("isaaclab") is not None
+    glibc = _glibc()
+    gpus = _nvidia_gpus()
+    facts = [
+        f"Python {platform.python_version()}",
+        f"glibc {'.'.join(map(str, glibc)) if glibc else 'unknown'}"
+        + ("" if glibc is None or glibc >= (2, 35) else " (Isaac Sim needs >= 2.35)"),
+        gpus[0].split(" (")[0].removeprefix("GPU 0: ")
+        if gpus
+        else "no NVIDIA GPU (Isaac Sim needs an RTX-class one)",
+    ]
+    detail = ("importable here; " if here else "not in this venv; ") + ", ".join(facts)
+    return [Check("isaac lab", here, detail, ISAAC_HINT)]
+
+
+def check_mjlab() -> list[Check]:
+    """mjlab's own venv (``make install``): it runs Isaac Lab's API on CPU through MuJoCo Warp."""
+    python = Path(__file__).resolve().parents[1] / ".venv-mjlab" / "bin" / "python"
+    fix = "make install (creates .venv-mjlab; mjlab pins mujoco~=3.11, so it has a venv of its own)"
+    if not python.exists():
+        return [Check("mjlab venv", False, f"{python} missing", fix)]
+    try:
+        facts = check_interpreter(str(python))
+    except ConfigError as exc:
+        return [Check("mjlab venv", False, str(exc), fix)]
+    probe = "import importlib.metadata as m; print(m.version('mjlab'), m.version('mujoco'))"
+    try:
+        out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60)
+        versions = out.stdout.split() if out.returncode == 0 else []
+    except (subprocess.TimeoutExpired, OSError):
+        versions = []
+    if len(versions) != 2:
+        return [Check("mjlab venv", False, f"{python}: mjlab not installed", fix)]
+    detail = f"mjlab {versions[0]}, mujoco {versions[1]}, Python {facts['python']}: env.python: {python}"
+    return [Check("mjlab venv", True, detail)]
+
+
 def check_browser() -> list[Check]:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     return [Check("chromium", chromium is not None, chromium or "missing", "apt-get install -y chromium")]
@@ -141,7 +203,16 @@ def check_browser() -> list[Check]:
 
 def run_checks() -> list[Check]:
     checks: list[Check] = []
-    for group in (check_core, check_mujoco, check_torch, check_onnxruntime, check_ros2, check_browser):
+    for group in (
+        check_core,
+        check_mujoco,
+        check_torch,
+        check_onnxruntime,
+        check_ros2,
+        check_isaac,
+        check_mjlab,
+        check_browser,
+    ):
         checks.extend(group())
     return checks
 

@@ -495,6 +495,14 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    log.info(
+        "worker %s: %d x %s on Python %s (%s)",
+        worker.uid,
+        num_envs,
+        backend_name,
+        sys.version.split()[0],
+        sys.executable,
+    )
     try:
         freeze_heap()
         worker.run(max_steps=args.max_steps)

@@ -466,3 +466,18 @@ def test_isaac_options_are_validated_with_the_field_named():
         experiment_spec("isaac", {"device": "tpu"})
     with pytest.raises(ConfigError, match=r"env.options: unknown key\(s\) num_env"):
         experiment_spec("isaac", {"num_env": 3})
+
+
+def test_doctor_says_what_isaac_needs_and_where_the_mjlab_venv_is():
+    from tests.conftest import loopgate
+
+    out = loopgate("doctor", "--json", timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    checks = {c["name"]: c for c in json.loads(out.stdout)["checks"]}
+    isaac = checks["isaac lab"]
+    assert "glibc" in isaac["detail"] and "Python" in isaac["detail"]
+    if not isaac["ok"]:  # not in loopgate's own venv: Isaac has a venv of its own
+        assert isaac["fix"] == ISAAC_HINT
+    mjlab = checks["mjlab venv"]
+    assert mjlab["ok"], mjlab  # make install creates it
+    assert "mjlab 1.6.0" in mjlab["detail"] and ".venv-mjlab/bin/python" in mjlab["detail"]
