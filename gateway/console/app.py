@@ -379,11 +379,19 @@ async def _on_teleop_message(
                 scale=console.config.teleop_scale,
             )
             try:
+                frames = console.frames or camera.FrameSource([])
                 loop = await run_in_threadpool(
-                    lambda: TeleopLoop(console.clients_address, worker=worker, settings=settings)
+                    lambda: TeleopLoop(
+                        console.clients_address,
+                        worker=worker,
+                        settings=settings,
+                        current_obs=lambda: frames.current(worker).obs,
+                    )
                 )
             except (Timeout, RemoteError) as exc:
                 return {"type": "error", "message": f"the gateway refused the takeover: {exc}"}
+            except (ValueError, LookupError) as exc:  # absolute action space without its command
+                return {"type": "error", "message": f"cannot take over bumplessly: {exc}"}
             loop.start()
             console.teleop, console.teleop_owner = loop, owner
             console.link.controlled_by_console = loop.state.worker

@@ -108,7 +108,7 @@ class Recorder:
             self.take = Take(f"t{int(time.time())}-{secrets.token_hex(3)}", worker, env, episode, step)
             return {"take": self.take.take, "episode": episode, "step": step}
 
-    def mark(self, label: str, note: Any, episode: int, step: int) -> dict[str, Any]:
+    def mark(self, label: Any, note: Any, episode: int, step: int) -> dict[str, Any]:
         if label not in ("success", "failure"):
             raise RecordingError(f"label must be success or failure, got {label!r}")
         note = check_note(note)

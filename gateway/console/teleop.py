@@ -19,9 +19,18 @@ env's control rate::
     loop.release()
 
 The hold is enforced here, next to the gateway, not only in the page: with no fresh
-command for ``deadman_s`` the loop sends the hold action. For the reach arm (joint
-position *deltas*) the hold action is all zeros, so the first command after a takeover
-and every hold keep the joints' current targets: the takeover is bumpless.
+command for ``deadman_s`` the loop sends the hold action. :class:`ActionShaper` turns
+axes into actions, bumpless in both kinds of action space the spec can declare:
+
+- *deltas* (the default; the reach arm's joint position target deltas): the hold action
+  is all zeros, which keeps the current targets;
+- *absolute* (``spec.metadata["action_space"] == "absolute"``, with
+  ``metadata["command_key"]`` naming the observation that holds the robot's current
+  command, e.g. its joint position targets): the hold action is that command as last
+  observed, and held axes move it at ``scale`` of half the action's range per second.
+
+Either way the first action after a takeover equals what the robot is already
+commanded, so the arm does not jump.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -167,13 +177,73 @@ class TeleopState:
     ended: str | None = None
 
 
+class ActionShaper:
+    """Axes in [-1, 1] -> one env's action, holding the robot's current command otherwise."""
+
+    def __init__(
+        self, low: np.ndarray, high: np.ndarray, *, scale: float, dt: float, command_key: str | None = None
+    ) -> None:
+        self.low, self.high = np.asarray(low, np.float64), np.asarray(high, np.float64)
+        self.scale, self.dt = scale, dt
+        self.command_key = command_key
+        """Absolute action space: the observation holding the current command (None: deltas)."""
+        self.targets: np.ndarray | None = None
+        """Absolute: the commands being held, per env [K, A] (from the first observation)."""
+
+    @property
+    def absolute(self) -> bool:
+        return self.command_key is not None
+
+    def observe(self, obs: dict[str, np.ndarray], num_envs: int) -> None:
+        """Take the robot's current commands from ``obs`` (absolute action spaces): at the
+        takeover, and for the envs not being driven, after every step."""
+        if self.command_key is None:
+            return
+        current = obs.get(self.command_key)
+        if current is None:
+            raise ValueError(f"observation has no {self.command_key!r} (the spec's command_key)")
+        current = np.asarray(current, np.float64).reshape(num_envs, -1)
+        if current.shape[1] != len(self.low):
+            raise ValueError(
+                f"observation {self.command_key!r} has {current.shape[1]} values per env, the action {len(self.low)}"
+            )
+        self.targets = np.clip(current, self.low, self.high)
+
+    def action(self, num_envs: int, env: int, axes: np.ndarray | None) -> np.ndarray:
+        """The action for every env: ``axes`` (None: hold) applied to ``env``."""
+        if self.command_key is None:
+            out = np.zeros((num_envs, len(self.low)))
+            if axes is not None:
+                bound = np.where(axes >= 0, self.high, -self.low)
+                out[env] = np.clip(axes * bound * self.scale, self.low, self.high)
+            return out
+        if self.targets is None:
+            raise ValueError("absolute action space: no observation of the current command yet")
+        held: np.ndarray = self.targets.copy()
+        if axes is not None:
+            rate = (self.high - self.low) / 2 * self.scale
+            held[env] = np.clip(held[env] + axes * rate * self.dt, self.low, self.high)
+            self.targets[env] = held[env]
+        return held
+
+
 class TeleopLoop:
     """One takeover of one worker through the gateway's client socket, in its own thread."""
 
-    def __init__(self, address: str, *, worker: str, settings: TeleopSettings) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        worker: str,
+        settings: TeleopSettings,
+        current_obs: Callable[[], dict[str, np.ndarray]] | None = None,
+    ) -> None:
+        """``current_obs()``: the worker's newest observation (its tap), which an absolute
+        action space needs before the first action: the current command to hold."""
         from gateway.client import GatewayVectorEnv
 
         self.settings = settings
+        self.current_obs = current_obs
         # Held requests (e-stop, pause) are not waited out: the loop lets go instead, so
         # that a Resume never hands motion back to a takeover nobody holds any more.
         self.env = GatewayVectorEnv(
@@ -195,6 +265,21 @@ class TeleopLoop:
         self.dtype = np.dtype(spec.action.dtype)
         self.high = np.broadcast_to(np.asarray(spec.action.high, dtype=np.float64), (self.action_size,))
         self.low = np.broadcast_to(np.asarray(spec.action.low, dtype=np.float64), (self.action_size,))
+        metadata = spec.metadata or {}
+        absolute = metadata.get("action_space") == "absolute"
+        command_key = metadata.get("command_key") if absolute else None
+        if absolute and not isinstance(command_key, str):
+            raise ValueError(
+                "the spec declares an absolute action space but no command_key (the observation holding the "
+                "current command): teleoperation could not start without a jump"
+            )
+        self.shaper = ActionShaper(
+            self.low, self.high, scale=self.settings.scale, dt=self.dt, command_key=command_key
+        )
+        if self.shaper.absolute:  # bumpless: start from what the robot is commanded now
+            if self.current_obs is None:
+                raise ValueError("an absolute action space needs the worker's current observation to start")
+            self.shaper.observe(self.current_obs(), self.num_envs)
         self.limiter = RateLimiter(self.settings.max_command_hz)
         self.stale = StaleFilter(self.settings.stale_command_s)
         self.deadman = Deadman(self.settings.deadman_s)
@@ -230,15 +315,10 @@ class TeleopLoop:
             return TeleopState(**vars(self.state))
 
     def _action(self, now: float) -> np.ndarray:
-        action = np.zeros((self.num_envs, self.action_size))
         with self._lock:
             alive = self.deadman.alive(now)
             self.state.holding = None if alive else self.deadman.reason
-            if alive:
-                bound = np.where(self._axes >= 0, self.high, -self.low)
-                action[self.state.env] = np.clip(
-                    self._axes * bound * self.settings.scale, self.low, self.high
-                )
+            action = self.shaper.action(self.num_envs, self.state.env, self._axes if alive else None)
         return action.astype(self.dtype)
 
     def _run(self) -> None:

@@ -239,11 +239,36 @@ function hold(why) {
   if (inControl) sendTeleop({ type: "hold", why });
 }
 
+// Gamepad (the browser Gamepad API): while button 0 (A) is held, axes 0.. drive joints 1..;
+// letting go of it is the deadman, like releasing the keys.
+const GAMEPAD_DEADZONE = 0.15;
+let padDriving = false;
+let windowBlurred = false;
+
+function gamepadAxes() {
+  const pads = navigator.getGamepads ? Array.from(navigator.getGamepads()).filter(Boolean) : [];
+  const pad = pads[0];
+  if (windowBlurred || document.hidden) return null;  // the deadman: leaving the page lets go
+  if (!pad || !pad.buttons.length || !pad.buttons[0].pressed) return null;
+  const out = new Array(actionSize).fill(0);
+  for (let i = 0; i < Math.min(actionSize, pad.axes.length); i += 1) {
+    const v = pad.axes[i];
+    out[i] = Math.abs(v) < GAMEPAD_DEADZONE ? 0 : Math.max(-1, Math.min(1, v));
+  }
+  return out;
+}
+
 setInterval(() => {
-  if (!inControl || held.size === 0) return;
+  if (!inControl) { padDriving = false; return; }
+  const pad = held.size === 0 ? gamepadAxes() : null;
+  if (held.size === 0 && !pad) {
+    if (padDriving) { padDriving = false; hold("gamepad button released"); }
+    return;
+  }
+  padDriving = pad !== null;
   seq += 1;
   const env = Number.parseInt($("teleop-env").value, 10) || 0;
-  sendTeleop({ type: "command", seq, t: performance.timeOrigin + performance.now(), env, axes: axes() });
+  sendTeleop({ type: "command", seq, t: performance.timeOrigin + performance.now(), env, axes: pad || axes() });
 }, SEND_MS);
 
 document.addEventListener("keydown", (event) => {
@@ -257,8 +282,9 @@ document.addEventListener("keyup", (event) => {
   if (!held.delete(event.code)) return;
   if (held.size === 0) hold("keys released");
 });
-window.addEventListener("blur", () => hold("window blurred"));
-document.addEventListener("visibilitychange", () => { if (document.hidden) hold("tab hidden"); });
+window.addEventListener("blur", () => { windowBlurred = true; padDriving = false; hold("window blurred"); });
+window.addEventListener("focus", () => { windowBlurred = false; });
+document.addEventListener("visibilitychange", () => { if (document.hidden) { padDriving = false; hold("tab hidden"); } });
 
 $("login-form").addEventListener("submit", async (event) => {
   event.preventDefault();
