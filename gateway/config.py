@@ -110,6 +110,10 @@ class GatewayConfig:
     """Folder made by ``loopgate keys``; enables CURVE authentication on every socket."""
     chunk_steps: int = 64
     """Steps per trajectory chunk handed to the sink (episode ends flush early)."""
+    shared_memory: Literal["auto", "on", "off"] = "auto"
+    """Large batches from workers on this host through shared memory, only handles on the
+    socket (:mod:`gateway.shm`): ``auto`` when the worker's gateway address is local, ``on``
+    whenever the gateway can map the segment, ``off`` never (frames)."""
     heartbeat_s: float = 1.0
     """Interval of heartbeats between idle peers."""
     worker_timeout_s: float = 5.0

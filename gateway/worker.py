@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gateway import lifeline, steps
+from gateway import lifeline, shm, steps
 from gateway.episode import EpisodeBackend, Obs
 from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError, pack, recv, send
 from gateway.services import freeze_heap
@@ -90,6 +90,7 @@ class EnvWorker:
         limits: Limits | None = None,
         context: zmq.Context[Any] | None = None,
         tap_address: str | None = None,
+        shared_memory: str = "auto",
     ) -> None:
         self.backend = backend
         self.address = address
@@ -114,6 +115,10 @@ class EnvWorker:
         self.stop_event = threading.Event()
         self._last_beat = 0.0
         backend.keepalive = self._keepalive
+        self.shared_memory = shared_memory
+        """``gateway.shared_memory``: offer the gateway a shared-memory ring (:mod:`gateway.shm`)."""
+        self.shm: shm.ShmWriter | None = None
+        """The ring the gateway accepted for this connection (None: frames)."""
         self.tap: ObservationTap | None = None
         self._tapped: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
         """The action (and its versions) that led to the observation being sent."""
@@ -135,6 +140,15 @@ class EnvWorker:
 
     def _hello(self) -> dict[str, Any]:
         """Register with the gateway (retrying until it answers); return WELCOME's meta."""
+        try:
+            return self._register()
+        except BaseException:
+            if self.shm is not None:  # refused or stopped: no name may outlive this worker
+                self.shm.close()
+                self.shm = None
+            raise
+
+    def _register(self) -> dict[str, Any]:
         backoff = 0.2
         while not self.stop_event.is_set():
             sock = self._connect()
@@ -148,10 +162,14 @@ class EnvWorker:
                 "episodes": episodes if self._last_obs_msg is not None else [],
                 "pid": os.getpid(),
             }
+            offer = self._offer_ring()
+            if offer is not None:
+                meta["shm"] = offer
             send(sock, Message(MsgType.HELLO, meta=meta))
             if sock.poll(int(self.gateway_timeout_s * 1000)):
                 reply = recv(sock, self.limits)
                 if reply.type is MsgType.WELCOME:
+                    self._ring_answered(reply.meta.get("shm"))
                     return reply.meta
                 if reply.type is MsgType.ERROR:
                     code, text = reply.meta.get("code"), reply.meta.get("message")
@@ -163,6 +181,37 @@ class EnvWorker:
             self.stop_event.wait(backoff)
             backoff = min(backoff * 2, 2.0)
         raise FatalWorkerError("stopped before the gateway answered")
+
+    def _offer_ring(self) -> dict[str, Any] | None:
+        """A fresh ring for this connection attempt (the last one's name removed), if wanted."""
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        if not shm.wanted(self.shared_memory, self.address):
+            return None
+        spec = self.backend.spec
+        size = shm.batch_bytes(spec.observation, self.backend.num_envs, steps.WIDTH)
+        if size < shm.MIN_BYTES:
+            return None  # small batches: frames cost less than the copies they would save
+        shm.sweep_stale()
+        try:
+            self.shm = shm.ShmWriter.create(shm.slot_bytes_for(size))
+        except OSError as exc:
+            log.warning("no shared-memory ring (%s); sending frames", exc)
+            return None
+        return self.shm.offer()
+
+    def _ring_answered(self, answer: Any) -> None:
+        if self.shm is None:
+            return
+        if isinstance(answer, dict) and answer.get("ok"):
+            self.shm.accepted()
+            log.info("large arrays go through shared memory %s", self.shm.seg.name)
+            return
+        reason = answer.get("reason") if isinstance(answer, dict) else "the gateway does not map segments"
+        log.info("gateway declined shared memory (%s); sending frames", reason)
+        self.shm.close()
+        self.shm = None
 
     def episode_id(self, env: int) -> str:
         return episode_id(self.uid, env, int(self._episode[env]))
@@ -266,6 +315,9 @@ class EnvWorker:
                     send(self._sock, Message(MsgType.BYE, meta={"uid": self.uid}), flags=zmq.NOBLOCK)
                 self._sock.close(linger=0)
                 self._sock = None
+            if self.shm is not None:
+                self.shm.close()
+                self.shm = None
             if self.tap is not None:
                 self.tap.close()
 
@@ -278,7 +330,7 @@ class EnvWorker:
             if max_steps is not None and self.env_steps >= max_steps:
                 return
             sent_at = time.perf_counter()
-            send(self._sock, outgoing)
+            send(self._sock, self.shm.encode(outgoing) if self.shm is not None else outgoing)
             if self.tap is not None:  # after the gateway has it: watchers never delay a step
                 self.tap.publish(outgoing, *self._tapped)
             reply = self._await_reply(outgoing.seq)
@@ -417,6 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
         "of a backend in another interpreter (env.python)",
     )
     p.add_argument("--curve-keys", help="folder made by `loopgate keys`")
+    p.add_argument(
+        "--shared-memory",
+        choices=("auto", "on", "off"),
+        help="large batches through shared memory (default: gateway.shared_memory, auto = local gateway)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -432,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     lifeline.arm()
+    shared_memory = args.shared_memory or "auto"
     backend_name, num_envs, seed, options, heartbeat, timeout, curve = (
         "mujoco_reach",
         1,
@@ -452,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             heartbeat, timeout = cfg.gateway.heartbeat_s, cfg.gateway.worker_timeout_s
             curve = curve or cfg.gateway.curve_keys
+            shared_memory = args.shared_memory or cfg.gateway.shared_memory
         for text in args.option:
             key, _, value = text.partition("=")
             options[key] = yaml.safe_load(value)
@@ -488,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway_timeout_s=max(timeout, 3 * heartbeat),
         keys=CurveKeys.load(curve) if curve else None,
         tap_address=tap,
+        shared_memory=shared_memory,
     )
 
     def _stop(signum: int, frame: Any) -> None:

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from gateway import shm
 from gateway.config import ExperimentConfig, load_config
 from gateway.episode import EnvSpec
 from gateway.factory import experiment_spec
@@ -60,6 +61,7 @@ def make_sink(cfg: ExperimentConfig, run_dir: Path, endpoints: dict[str, Any]) -
 
 def build_gateway(args: argparse.Namespace) -> Gateway:
     cfg = load_config(args.config, getattr(args, "set", []) or [])
+    shm.sweep_stale()  # segments of workers killed before any gateway mapped them
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     endpoints_path = Path(args.endpoints) if args.endpoints else run_dir / "endpoints.json"

@@ -38,7 +38,7 @@ from gateway.evaluation import Evaluator, LagTracker
 from gateway.hub.accounting import account
 from gateway.hub.clients import ClientRouter
 from gateway.hub.control import ControlDesk
-from gateway.hub.state import HOLD_MESSAGES, Collection, WorkerSession
+from gateway.hub.state import HOLD_MESSAGES, Collection, WorkerSession, attach_ring
 from gateway.hub.timing import StepTiming
 from gateway.metrics import Histogram, MetricsWriter
 from gateway.policies import ActionSource
@@ -174,7 +174,7 @@ class Gateway:
                 raise ProtocolError(ErrorCode.NOT_REGISTERED, f"send HELLO before {msg.type.name}")
             session.last_seen = time.monotonic()
             if msg.type is MsgType.OBSERVATION:
-                self.on_observation(session, msg)
+                self.on_observation(session, session.receive(msg))
             elif msg.type is MsgType.HEARTBEAT:
                 send(self.workers_sock, Message(MsgType.HEARTBEAT), route=[route])
             elif msg.type is MsgType.BYE:
@@ -222,6 +222,9 @@ class Gateway:
             "worker %s registered (%d envs%s)", uid, num_envs, ", resuming" if meta.get("resume") else ""
         )
         welcome = {"uid": uid, "heartbeat_s": self.config.heartbeat_s, "reset_required": reset_required}
+        session.shm, ring = attach_ring(meta.get("shm"), self.config.shared_memory, uid)
+        if ring is not None:
+            welcome["shm"] = ring
         send(self.workers_sock, Message(MsgType.WELCOME, seq=msg.seq, meta=welcome), route=[route])
         if self.state.estopped:  # a robot joining during an e-stop must hold too
             command = {"cmd": "estop", "engaged": True, "reason": "engaged before this worker joined"}
@@ -446,6 +449,9 @@ class Gateway:
                     "rtt_us": round(s.rtt_us, 1),
                     "silent_s": round(now - s.last_seen, 2),
                     "client": s.client is not None,
+                    "shm": s.shm is not None,
+                    "shm_bytes": s.shm_bytes,
+                    "frame_bytes": s.frame_bytes,
                 }
                 for s in self.sessions.values()
             ],

@@ -14,6 +14,7 @@ the gateway offers them, never its attributes::
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,8 +25,11 @@ from gateway.env_columns import EpisodeIds
 from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
 from gateway.protocol import ErrorCode, Limits, Message, ProtocolError, unpack
+from gateway.shm import ShmView
 from gateway.steps import StepInfo
 from gateway.trajectory import Transitions
+
+log = logging.getLogger(__name__)
 
 HOLD_MESSAGES = {
     "estop": "the e-stop is engaged; steps resume once it is released",
@@ -122,9 +126,31 @@ class WorkerSession:
     unspooled: Message | None = None
     """An observation whose steps the spool refused (disk full): handled again, and only
     then answered, once the spool writes again."""
+    shm: ShmView | None = None
+    """The worker's shared-memory ring, mapped (:mod:`gateway.shm`); None: frames only."""
+    shm_bytes: int = 0
+    """Array bytes of its observations read in place from shared memory."""
+    frame_bytes: int = 0
+    """Array bytes of its observations that came as frames (copied through the socket)."""
     takeover_seq: int | None = None
     """Seq of the last observation a takeover client answered (:mod:`gateway.hub.clients`):
     the steps the next observation completes are interventions."""
+
+    def receive(self, msg: Message) -> Message:
+        """An OBSERVATION with the arrays its shared-memory handles name put in place."""
+        self.frame_bytes += sum(a.nbytes for a in msg.arrays.values())
+        if "shm" not in msg.meta:
+            return msg
+        if self.shm is None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                "observation carries shared-memory handles but no segment of this worker is mapped; "
+                "register (HELLO) with a shm offer first",
+            )
+        before = self.shm.bytes_shared
+        msg = self.shm.decode(msg)
+        self.shm_bytes += self.shm.bytes_shared - before
+        return msg
 
     def completed(self, msg: Message, info: StepInfo, rows: np.ndarray) -> Transitions:
         """The steps rows ``rows`` of observation ``msg`` complete: observation, action and
@@ -163,6 +189,30 @@ class WorkerSession:
         }
         # Ids as two arrays: strings are made only for the episodes a chunk or an end names.
         return Transitions(EpisodeIds(self.uid, rows, np.asarray(episode)), rows, obs, action, columns)
+
+
+def attach_ring(offer: Any, mode: str, uid: str) -> tuple[ShmView | None, dict[str, Any] | None]:
+    """Map the ring a worker's HELLO offers (``gateway.shared_memory`` = ``mode``): the
+    view, and the answer for WELCOME (None when nothing was offered)."""
+    if offer is None:
+        return None, None
+    if not isinstance(offer, dict):
+        return None, {"ok": False, "reason": "meta shm must be a map"}
+    try:
+        if mode == "off":
+            ShmView.discard(offer)
+            raise ValueError("gateway.shared_memory is off")
+        view = ShmView.attach(offer)
+    except ValueError as exc:
+        log.info("worker %s: no shared memory (%s); frames", uid, exc)
+        return None, {"ok": False, "reason": str(exc)}
+    log.info(
+        "worker %s: observations through shared memory (%d x %d bytes)",
+        uid,
+        view.seg.slots,
+        view.seg.slot_bytes,
+    )
+    return view, {"ok": True}
 
 
 class Hub(Protocol):
