@@ -1,5 +1,8 @@
-"""The web console against a real ``loopgate up`` (MuJoCo reach, 1 worker x 2 envs,
-random policy): login, roles, the Origin check, the e-stop and keyboard teleoperation.
+"""The web console against a real ``loopgate up`` (MuJoCo reach, 1 worker x 2 envs
+rendering 224x224 cameras, random policy, the replay service with online, interventions
+and demos tables): login, roles, the Origin check, the e-stop, the robot view's camera
+frames, keyboard and gamepad teleoperation (flagged as interventions), and recording a
+labelled demonstration into the demos table and an export.
 
 Browser tests drive Debian's Chromium headless through Playwright; each saves a
 screenshot of the views it shows under its ``tmp_path``. One run serves the module.
@@ -43,9 +46,13 @@ class Run:
     url: str
     run_dir: Path
     control: Any
+    replay: Any
 
     def status(self) -> dict[str, Any]:
         return self.control.request("status", timeout_s=5.0)
+
+    def table_size(self, name: str) -> int:
+        return int(self.replay.request("status", timeout_s=5.0)["tables"][name]["size"])
 
     def worker(self) -> dict[str, Any]:
         return self.status()["workers"][0]
@@ -58,8 +65,23 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     tmp = tmp_path_factory.mktemp("console")
     config = write_config(
         tmp / "console.yaml",
-        env={"backend": "mujoco_reach", "workers": 1, "num_envs": 2, "options": {"max_episode_steps": 5000}},
+        env={
+            "backend": "mujoco_reach",
+            "workers": 1,
+            "num_envs": 2,
+            "options": {"max_episode_steps": 5000, "camera": True, "image_height": 224, "image_width": 224},
+        },
         policy={"kind": "random"},
+        gateway={"chunk_steps": 16},
+        replay={
+            "enabled": True,
+            "fsync": "never",
+            "tables": [
+                {"name": "online", "source": "online"},
+                {"name": "interventions", "source": "interventions"},
+                {"name": "demos", "source": "demos"},
+            ],
+        },
         console={
             "enabled": True,
             "port": 0,
@@ -70,17 +92,20 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     procs = Procs(tmp)
     run_dir = tmp / "run"
     up = procs.spawn("-m", "gateway", "up", str(config), "--run-dir", str(run_dir), name="up")
-    control = None
+    control = replay = None
     try:
         endpoints = run_dir / "endpoints.json"
-        wait_for(
-            lambda: endpoints.exists() and "console" in json.loads(endpoints.read_text()),
-            60,
-            what="endpoints",
-        )
+        def planned() -> bool:
+            try:
+                return "console" in json.loads(endpoints.read_text())
+            except (OSError, ValueError):  # not written yet, or caught mid-write
+                return False
+
+        wait_for(planned, 60, what="endpoints")
         data = json.loads(endpoints.read_text())
         url = data["console"]
         control = ControlClient(data["gateway"]["control"])
+        replay = ControlClient(data["replay"]["control"])
 
         def serving() -> bool:
             assert up.poll() is None, log_of(up)
@@ -91,14 +116,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                 return False
 
         wait_for(serving, 60, interval=0.2, what="console and worker up")
-        yield Run(url=url, run_dir=run_dir, control=control)
+        yield Run(url=url, run_dir=run_dir, control=control, replay=replay)
     finally:
         if up.poll() is None:
             up.send_signal(signal.SIGINT)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 up.wait(timeout=30)
-        if control is not None:
-            control.close()
+        for client in (control, replay):
+            if client is not None:
+                client.close()
         procs.kill_all()
 
 
@@ -192,6 +218,9 @@ def test_wrong_token_is_refused_and_an_operator_sees_the_fleet(
     assert "hardware e-stop" in page.locator("#stop-bar .note").inner_text()
     # The training view plots the run's own metrics with the vendored uPlot.
     page.locator('#charts figure[data-series="steps_per_s"] canvas').wait_for(timeout=time_left() * 1000)
+    for chart in ("hop_p50", "hop_p99", "replay_fill", "samples_per_insert", "intervention_rate"):
+        page.locator(f'#charts figure[data-series="{chart}"] canvas').wait_for(timeout=time_left() * 1000)
+    page.locator("#training-view").screenshot(path=str(tmp_path / "training.png"))
     cookie = next(c for c in page.context.cookies() if c["name"] == "loopgate_console")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     page.screenshot(path=str(tmp_path / "fleet.png"))
@@ -287,6 +316,9 @@ def test_keyboard_takeover_moves_the_joint_and_blur_holds(
     wait_for(lambda: len(joints(page)) == 3, time_left(), what="joint positions")
     assert page.locator("#t-action").inner_text() == "0.000, 0.000, 0.000"
     start = joints(page)[0]
+    # No jump at the takeover: while the hold action goes out the arm stays where it was.
+    time.sleep(0.3)
+    assert abs(joints(page)[0] - start) < 0.02
     # Move away from the nearer joint limit (the random policy may have left it near one).
     key, sign = ("q", 1.0) if start < 0 else ("a", -1.0)
 
@@ -312,6 +344,9 @@ def test_keyboard_takeover_moves_the_joint_and_blur_holds(
 
     page.get_by_role("button", name="Release").click()
     wait_for(lambda: not run.worker()["client"], time_left(), what="the policy to get the worker back")
+    # The takeover's steps are interventions: flagged, counted, and in the interventions table.
+    assert run.status()["intervention_steps"] > 0
+    wait_for(lambda: run.table_size("interventions") > 0, time_left(), what="intervention steps in replay")
 
 
 @pytest.mark.integration
@@ -343,3 +378,107 @@ def test_deadman_holds_without_commands_and_a_dropped_socket_releases(run: Run) 
     assert held["holding"] == "no command for 0.5 s"
     # The socket is gone: the console lets go and the policy drives the worker again.
     wait_for(lambda: not run.worker()["client"], time_left(), what="release after the socket dropped")
+
+
+@pytest.mark.browser
+def test_robot_view_shows_live_camera_frames_and_the_envs_state(
+    console_page: Any, run: Run, tmp_path: Path
+) -> None:
+    page = console_page
+    login(page, run, VIEWER)
+    page.get_by_text("logged in as viewer").wait_for(timeout=time_left() * 1000)
+    page.get_by_text("frames/s").wait_for(timeout=time_left() * 1000)
+    first = page.evaluate("window.consoleCamera.last")
+    assert first["image"] and first["worker"] == run.worker()["uid"] and len(first["joint_pos"]) == 3
+    wait_for(
+        lambda: page.evaluate("window.consoleCamera.latencies.length") > 20, time_left(), what="camera frames"
+    )
+    last = page.evaluate("window.consoleCamera.last")
+    assert last["t_render_ms"] > first["t_render_ms"] and last["step"] > first["step"]
+    # The frame drawn is the env's camera image (not a blank canvas).
+    spread = page.evaluate(
+        "(() => { const d = document.getElementById('camera').getContext('2d').getImageData(0, 0, 224, 224).data;"
+        " let lo = 255, hi = 0; for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }"
+        " return hi - lo; })()"
+    )
+    assert spread > 50
+    for plot in ("joint_pos", "action"):
+        page.locator(f'#robot-plots figure[data-series="{plot}"] canvas').wait_for(timeout=time_left() * 1000)
+    assert page.locator("#r-reward").inner_text() != "-"
+    page.locator("#robot-view").screenshot(path=str(tmp_path / "robot.png"))
+
+
+GAMEPAD_STUB = """
+window.__pad = { id: "stub pad", index: 0, connected: true, mapping: "standard",
+  axes: [0, 0, 0, 0], buttons: Array.from({ length: 16 }, () => ({ pressed: false, value: 0 })) };
+navigator.getGamepads = () => [window.__pad];
+"""
+"""WebDriver has no gamepad: the page's ``navigator.getGamepads`` is replaced by one
+that returns a pad the test sets (the page's own polling code reads it)."""
+
+
+@pytest.mark.browser
+def test_gamepad_drives_the_joint_while_its_button_is_held(
+    console_page: Any, run: Run, tmp_path: Path
+) -> None:
+    page = console_page
+    page.context.add_init_script(GAMEPAD_STUB)
+    login(page, run, OPERATOR)
+    page.get_by_text("logged in as operator").wait_for(timeout=time_left() * 1000)
+    page.locator("#teleop-worker option").first.wait_for(state="attached", timeout=time_left() * 1000)
+    page.get_by_role("button", name="Take over").click()
+    wait_for(lambda: len(joints(page)) == 3, time_left(), what="joint positions")
+    start = joints(page)[0]
+    sign = 1.0 if start < 0 else -1.0
+    # The stick alone does nothing: button 0 is the deadman.
+    page.evaluate(f"window.__pad.axes[0] = {sign}")
+    time.sleep(0.4)
+    assert abs(joints(page)[0] - start) < 0.02
+    page.evaluate("window.__pad.buttons[0] = { pressed: true, value: 1 }")
+    wait_for(lambda: sign * (joints(page)[0] - start) > 0.1, time_left(), what="joint 1 to follow the stick")
+    page.screenshot(path=str(tmp_path / "gamepad.png"))
+    page.evaluate("window.__pad.buttons[0] = { pressed: false, value: 0 }")
+    page.get_by_text("holding: gamepad button released").wait_for(timeout=time_left() * 1000)
+    page.get_by_role("button", name="Release").click()
+    wait_for(lambda: not run.worker()["client"], time_left(), what="the policy to get the worker back")
+
+
+@pytest.mark.browser
+def test_record_and_label_a_demonstration_into_the_demos_table_and_an_export(
+    console_page: Any, run: Run, tmp_path: Path
+) -> None:
+    from tests.test_export import read_mcap
+    from trainer.replay.export import run_episodes
+    from trainer.replay.export_mcap import write_mcap
+
+    page = console_page
+    login(page, run, OPERATOR)
+    page.get_by_text("logged in as operator").wait_for(timeout=time_left() * 1000)
+    page.locator("#teleop-worker option").first.wait_for(state="attached", timeout=time_left() * 1000)
+    before = run.table_size("demos")
+    # A take thrown away: Re-record discards it and starts the next one.
+    page.get_by_role("button", name="Start recording").click()
+    page.get_by_text("recording take").wait_for(timeout=time_left() * 1000)
+    discarded = page.locator("#rec-state").inner_text().split()[2]
+    time.sleep(0.5)
+    page.get_by_role("button", name="Re-record").click()
+    wait_for(lambda: discarded not in page.locator("#rec-state").inner_text(), time_left(), what="a new take")
+    take = page.locator("#rec-state").inner_text().split()[2]
+    time.sleep(1.0)
+    page.get_by_label("Note").fill("reached the target")
+    page.get_by_role("button", name="Mark success").click()
+    page.get_by_text("(success)").wait_for(timeout=time_left() * 1000)
+    time.sleep(0.5)
+    page.get_by_role("button", name="Stop recording").click()
+    page.get_by_text(f"last take {take}").wait_for(timeout=time_left() * 1000)
+    page.locator("#demo-view").screenshot(path=str(tmp_path / "demos.png"))
+    assert run.table_size("demos") > before
+
+    demos = [e for e in run_episodes(run.run_dir, demos=True) if e.meta.get("take") in (take, discarded)]
+    assert [e.meta["take"] for e in demos] == [take]
+    (demo,) = demos
+    assert demo.meta["label"] == "success" and demo.meta["note"] == "reached the target"
+    assert demo.num_steps > 5 and demo.arrays["success"].sum() == 1  # the live success mark
+    messages, _ = read_mcap(write_mcap(demos, tmp_path / "demos.mcap")["path"])
+    (info,) = [json.loads(m[4].data) for m in messages if m[0].endswith("/episode")]
+    assert (info["label"], info["note"], info["source"]) == ("success", "reached the target", "demos")

@@ -136,7 +136,8 @@ function drawChart(group, members) {
   box.dataset.series = group;
   $("charts").append(box);
   const series = [{}, ...names.map((n, i) => ({ label: n, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true }))];
-  const plot = new uPlot({ title: CHART_TITLES[group] || group, width: 420, height: 170, series }, data, box);
+  const axes = [{}, { size: 70 }];
+  const plot = new uPlot({ title: CHART_TITLES[group] || group, width: 420, height: 170, series, axes }, data, box);
   charts[group] = { plot, box, names: names.join(",") };
 }
 
