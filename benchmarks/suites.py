@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "replay": "benchmarks.replay:run",
     "trainer": "benchmarks.trainer:run",
     "learn": "benchmarks.learn:run",
+    "mjlab": "benchmarks.mjlab:run",
 }
 """Suites in the order they run."""
 
