@@ -16,6 +16,7 @@ from typing import Any
 SUITES: dict[str, str] = {
     "gateway": "benchmarks.gateway_rtt:run",
     "collect": "benchmarks.collect:run",
+    "ray": "benchmarks.ray_engine:run",
     "model": "benchmarks.model:run",
     "inference": "benchmarks.inference:run",
     "ros2": "benchmarks.ros2_latency:run",
@@ -23,6 +24,7 @@ SUITES: dict[str, str] = {
     "trainer": "benchmarks.trainer:run",
     "learn": "benchmarks.learn:run",
     "mjlab": "benchmarks.mjlab:run",
+    "console": "benchmarks.console:run",
 }
 """Suites in the order they run."""
 
