@@ -7,7 +7,7 @@ const PLOT_POINTS = 300;
 let cameraSocket = null;
 let watching = null;
 const cameraStats = { frames: 0, drawn: [], latencies: [], lastRenderMs: null, last: null };
-window.consoleCamera = cameraStats;  // benchmarks and tests read what the page measured
+window.consoleCamera = cameraStats;  // benchmarks and tests read what the page measured (and may set onframe)
 const robotPlots = {};
 const robotSeries = { t: [], joint_pos: [], action: [] };
 
@@ -72,6 +72,7 @@ async function onFrame(buffer) {
     if (cameraStats.latencies.length > 5000) { cameraStats.latencies.shift(); cameraStats.drawn.shift(); }
   }
   cameraStats.lastRenderMs = header.t_render_ms;
+  if (cameraStats.onframe) cameraStats.onframe(header, drawn);
   showRobotState(header, drawn);
 }
 
