@@ -233,10 +233,12 @@ class TorchEnvBackend(EpisodeBackend):
         """A host numpy array of ``tensor``: a view on the CPU unless ``copy``."""
         tensor = tensor.detach()
         if tensor.device.type != "cpu":
-            return np.asarray(tensor.cpu().numpy())  # the device-to-host transfer is the one copy
-        if copy:
-            return np.array(tensor.numpy(), copy=True)
-        return np.asarray(tensor.numpy())
+            tensor = tensor.cpu()  # the device-to-host transfer is the one copy
+            copy = False
+        array = np.asarray(tensor.numpy())
+        if copy or not array.flags.c_contiguous:  # frames go out without copies: C order only
+            return np.array(array, order="C", copy=True)
+        return array
 
     def _observations(self, obs: Any) -> Obs:
         if not isinstance(obs, Mapping):

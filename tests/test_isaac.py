@@ -218,6 +218,13 @@ def test_policy_group_is_handed_out_without_a_copy_on_the_cpu():
     assert np.shares_memory(obs["policy"], captured[-1].numpy())
 
 
+def test_a_strided_group_tensor_arrives_as_a_c_ordered_array():
+    backend = backend_for(ReplayEnv(policy=lambda t: t.t().contiguous().t()))  # column-major storage
+    obs, _ = backend.reset()
+    assert obs["policy"].flags.c_contiguous
+    np.testing.assert_array_equal(obs["policy"], DATA["policy"][0])
+
+
 def test_a_group_tensor_refilled_in_place_is_caught_and_copied_from_then_on(caplog):
     shared = torch.zeros(N, 32)
 
