@@ -4,7 +4,10 @@ the real replay buffer, one process)."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,7 @@ from gateway.protocol import Message
 from gateway.trajectory import StepRows
 from networks.config import NetworkConfig
 from sim_bridges.reach import ReachTask
+from tests.conftest import REPO, time_left
 from trainer.algos import make_algorithm
 from trainer.algos.gae import clipped_surrogate, gae, gaussian_kl, normalise, successors, value_loss
 from trainer.algos.ppo import PPOConfig, action_log_prob
@@ -331,3 +335,24 @@ def test_bad_ppo_options_name_the_field(options, field):
 def test_links_are_refused_on_items_other_than_transitions():
     with pytest.raises(ConfigError, match=r"replay.tables\[0\].links is only for item 'transition'"):
         ReplayConfig(tables=[TableConfig(item="sequence", links=True)])
+
+
+def test_a_checkpoint_brings_back_the_actor_the_adaptive_rate_and_the_round_count(tmp_path):
+    """In its own process (a process group of one, DCP), as the trainer checkpoints."""
+    out = tmp_path / "out.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "scripts" / "ppo_checkpoint.py"),
+            str(tmp_path / "ckpt"),
+            str(out),
+        ],
+        check=True,
+        timeout=time_left(),
+        cwd=REPO,
+    )
+    got = json.loads(out.read_text())
+    assert got["counters"] == {"updates": 60, "version": 3, "samples": 0}
+    assert got["after"] == got["before"] and got["before"]["rounds"] == 3
+    assert got["before"]["lr"] != 3e-3  # the adaptive schedule moved it, and it came back
+    assert got["same_actor"]
