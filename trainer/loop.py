@@ -118,7 +118,7 @@ class Trainer:
         self.stop_requested = False
         self.stop_reason = ""
         self._last_eval_round = 0
-        self._start = (time.monotonic(), 0, 0.0, 0.0)
+        self._start = (time.monotonic(), 0, 0.0, 0.0, 0)
         self._eval_history: list[float] = []
         self._budget_reached = False
         self._probe: Any = None
@@ -302,7 +302,7 @@ class Trainer:
             if started.get("started"):
                 self._held_round, self._held_since = int(started["round"]), time.monotonic()
         last_report = time.monotonic()
-        self._start = (time.monotonic(), self.c.updates, self.c.wait_s, self.c.compute_s)
+        self._start = (time.monotonic(), self.c.updates, self.c.wait_s, self.c.compute_s, self.c.samples)
         try:
             while not self.should_stop():
                 if self.tc.mode == "sync":
@@ -327,7 +327,7 @@ class Trainer:
 
     def report(self) -> None:
         """One metrics record: counters, rates since the start, the last update's statistics."""
-        started, start_updates, start_wait, start_compute = self._start
+        started, start_updates, start_wait, start_compute, start_samples = self._start
         elapsed = max(time.monotonic() - started, 1e-9)
         busy = self.c.wait_s - start_wait + self.c.compute_s - start_compute
         done = self.c.updates - start_updates
@@ -337,7 +337,7 @@ class Trainer:
                 "version": self.c.version,
                 "samples": self.c.samples,
                 "updates_per_s": round(done / elapsed, 2),
-                "samples_per_s": round(done * self.tc.batch_size / elapsed, 1),
+                "samples_per_s": round((self.c.samples - start_samples) / elapsed, 1),
                 "data_wait_frac": round((self.c.wait_s - start_wait) / busy, 3) if busy else 0.0,
                 "skipped_updates": self.c.skipped,
                 **self.c.stats,
@@ -424,10 +424,12 @@ class Trainer:
         rollout, info = fetch_rollout(self, self.c.version)
         self.c.wait_s += time.monotonic() - t0
         self.c.stats = {f"rollout/{k}": float(v) for k, v in info.items()}
-        if not rollout:
+        if info["kept"] < algo.min_rollout():
             log.info(
-                "round of version %d: no step of it stored (%d older dropped); collecting again",
+                "round of version %d: %d step(s) of it stored, %d needed (%d older dropped); collecting again",
                 self.c.version,
+                info["kept"],
+                algo.min_rollout(),
                 info["stale"],
             )
             self.confirm_version()

@@ -101,6 +101,10 @@ class OnPolicyAlgorithm(Algorithm):
     def learn(self, rollout: dict[str, torch.Tensor]) -> dict[str, float]:
         """All updates of one round; statistics, with ``updates`` (gradient steps taken)."""
 
+    def min_rollout(self) -> int:
+        """Fewest steps :meth:`learn` can train on (a smaller round is collected again)."""
+        return 1
+
 
 def make_algorithm(
     name: str, spec: EnvSpec, net_config: Any, options: dict[str, Any], *, device: torch.device

@@ -209,6 +209,9 @@ class PPO(OnPolicyAlgorithm):
     def optimizers(self) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
         return self._opts
 
+    def min_rollout(self) -> int:
+        return self.config.minibatches * self.world_size
+
     def extra_state(self) -> dict[str, torch.Tensor]:
         return {"lr": torch.tensor([self.lr], dtype=torch.float64), "rounds": torch.tensor([self.rounds])}
 
