@@ -205,41 +205,70 @@ def collection_config(workers: int = 2, **run: Any) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(240)
-def test_lost_gpu_node_its_inference_replica_and_worker_come_back_elsewhere(cluster, tmp_path):
-    """The GPU node holding the inference replica and a worker is removed mid-run: Ray
-    declares it dead, both services restart on a node that fits (a spare GPU node added
-    before the loss, as an autoscaler would), the run reaches its budget, and every step
-    the gateway acknowledged is stored exactly once."""
+def test_lost_gpu_node_its_services_come_back_elsewhere_and_the_trainer_resumes(cluster, tmp_path):
+    """The GPU node holding the inference replica, the trainer's two ranks and a worker is
+    removed mid-run, after the trainer's first checkpoint: Ray declares it dead, every
+    service restarts on a node that fits (a spare GPU node added before the loss, as an
+    autoscaler would), the trainer on a new placement group from its last checkpoint; the
+    run finishes, every acknowledged step is stored exactly once, and the policy version
+    never goes backwards."""
+    cfg = collection_config()
+    cfg["replay"]["tables"][0].update(min_size_to_sample=500, samples_per_insert=32, error_buffer=20000)
+    cfg["trainer"] = {
+        "enabled": True,
+        "nproc": 2,
+        "batch_size": 64,
+        "publish_every": 10,
+        "checkpoint_every": 20,
+        "eval_every": 0,
+        "final_eval_episodes": 0,
+        "max_updates": 160,
+    }
+    cfg["run"]["max_env_steps"] = 10_000_000
     run = tmp_path / "run"
-    proc = up(cluster, write(tmp_path, collection_config(max_env_steps=16000)), run)
-    spare = None
+    proc = up(cluster, write(tmp_path, cfg), run)
+    lost = cluster.gpu
     try:
-        wait_for(lambda: env_steps(run) >= 2000, timeout=120, interval=0.2, what="2000 env steps")
-        lost = cluster.gpu
-        assert [on(lost, n) for n in nodes_of(proc, "inference-0")] == [True], placements(proc)
+        wait_for(
+            lambda: (run / "checkpoints" / "latest").exists() and env_steps(run) >= 1000,
+            timeout=150,
+            interval=0.2,
+            what="the trainer's first checkpoint",
+        )
+        for service in ("inference-0", "trainer[0]", "trainer[1]"):
+            assert [on(lost, n) for n in nodes_of(proc, service)] == [True], (service, placements(proc))
         on_lost = [f"worker-{i}" for i in range(2) if on(lost, nodes_of(proc, f"worker-{i}")[0])]
         assert len(on_lost) == 1, placements(proc)
         spare = cluster.add(GPU_NODE)
         cluster.remove(lost)
         cluster.gpu = spare
         steps_at_loss = env_steps(run)
+        moved = ("inference-0", "trainer[0]", "trainer[1]", on_lost[0])
         wait_for(
-            lambda: len(nodes_of(proc, "inference-0")) == 2 and len(nodes_of(proc, on_lost[0])) == 2,
+            lambda: all(len(nodes_of(proc, name)) == 2 for name in moved),
             timeout=90,
             interval=0.2,
-            what="the inference replica and the lost worker to be placed again",
+            what=f"{', '.join(moved)} to be placed again",
         )
     except BaseException:
         proc.kill()
         raise
     summary = finish(proc, run)
-    assert on(spare, nodes_of(proc, "inference-0")[1])
+    for name in ("inference-0", "trainer[0]", "trainer[1]"):
+        assert on(spare, nodes_of(proc, name)[1]), (name, placements(proc))
     assert not on(lost, nodes_of(proc, on_lost[0])[1])
     log = output(proc)
     assert "inference-0 exited with signal SIGKILL; restart 1/" in log, log[-3000:]
+    assert "resumed from step-" in (run / "logs" / "trainer.log").read_text()
     assert summary["env_steps"] > steps_at_loss
-    assert summary["acked_steps"] == summary["stored_steps"] >= 16000
+    assert summary["acked_steps"] == summary["stored_steps"]
     assert summary["duplicate_steps"] == 0 and summary["lost_steps"] == 0
+    records = read_metrics(run / "metrics.jsonl")
+    seen = [r.get("trainer_version", 0) for r in records if r.get("service") == "gateway"]
+    assert seen == sorted(seen), "the gateway saw a policy version go backwards"
+    published = [r["version"] for r in records if r.get("service") == "trainer" and "version" in r]
+    assert published == sorted(published), "the resumed trainer published an older version"
+    assert summary["policy_version"] == published[-1] >= max(seen)
 
 
 @pytest.mark.timeout(180)

@@ -75,8 +75,11 @@ class ServiceHost:
             s.bind(("", 0))
             return int(s.getsockname()[1])
 
-    def start(self, argv: list[str], env: dict[str, str], log_path: str, cwd: str, niceness: int) -> int:
-        """Start the service; its pid. Output goes to ``log_path`` (the run folder's log)."""
+    def start(
+        self, argv: list[str], env: dict[str, str], log_path: str, cwd: str, niceness: int
+    ) -> tuple[int, int]:
+        """Start the service; its pid and the niceness it runs at. Output goes to
+        ``log_path`` (the run folder's log)."""
         child_env = dict(os.environ)
         if "OMP_NUM_THREADS" not in env:
             # Ray pins its workers to one thread; the service decides its own, as under `up`.
@@ -85,8 +88,10 @@ class ServiceHost:
 
         def prepare_child() -> None:  # in the child, before exec
             lifeline.die_with_parent()
-            if niceness:
-                os.nice(niceness)
+            # Ray runs its workers at niceness 15 (RAY_worker_niceness); the service runs
+            # at run.nice's, as under the local engine, where the node allows it.
+            with contextlib.suppress(PermissionError, OSError):
+                os.setpriority(os.PRIO_PROCESS, 0, niceness)
 
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab") as out:
@@ -100,7 +105,11 @@ class ServiceHost:
                 preexec_fn=prepare_child,
             )
         self.started.set()
-        return int(self.child.pid)
+        try:
+            nice = os.getpriority(os.PRIO_PROCESS, self.child.pid)
+        except OSError:  # already gone: its exit is reported by wait()
+            nice = niceness
+        return int(self.child.pid), int(nice)
 
     def wait(self) -> int:
         """Block until the service exits; its exit status (negative: killed by that signal)."""
@@ -200,7 +209,16 @@ class RayProcess:
             if self.pid is None:
                 if not _ready(self._start_ref):
                     return None
-                self.pid = int(ray.get(self._start_ref))
+                pid, nice = ray.get(self._start_ref)
+                self.pid = int(pid)
+                if nice != self.niceness:
+                    log.warning(
+                        "%s runs at niceness %d instead of %d: start the node's Ray with "
+                        "RAY_worker_niceness=0 (or allow raising priority)",
+                        self.name,
+                        nice,
+                        self.niceness,
+                    )
             if not _ready(self._exit_ref):
                 return None
             return self._end(int(ray.get(self._exit_ref)))
