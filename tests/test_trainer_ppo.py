@@ -25,7 +25,7 @@ from trainer.algos.gae import clipped_surrogate, gae, gaussian_kl, normalise, su
 from trainer.algos.ppo import PPOConfig, action_log_prob
 from trainer.replay.config import ReplayConfig, TableConfig
 from trainer.replay.core import ReplayBuffer, Waiting
-from trainer.rollout import drain
+from trainer.rollout import TAKE_BYTES, drain, item_bytes
 from trainer.services import preflight
 
 pytestmark = pytest.mark.unit
@@ -218,11 +218,13 @@ class _InProcess:
 
     def __init__(self, buffer: ReplayBuffer) -> None:
         self.buffer = buffer
+        self.requests: list[int] = []
 
     def status(self, timeout_s: float) -> dict:
         return self.buffer.state()
 
     def take(self, counts: dict[str, int], timeout_s: float) -> dict:
+        self.requests.append(sum(counts.values()))
         return self.buffer.sample(counts)
 
 
@@ -256,6 +258,17 @@ def test_the_rollout_table_links_each_episodes_steps_and_hands_each_out_once():
     with pytest.raises(Waiting):  # each step once: the table is empty now
         buffer.sample({"rollout": 1})
     assert drain(_InProcess(buffer), "rollout", 3, timeout_s=1.0)[1] == {"taken": 0, "kept": 0, "stale": 0}
+
+
+def test_large_items_are_drained_in_several_requests_each_step_once():
+    buffer = rollout_buffer()
+    buffer.insert(chunk("a", 0, 9, version=1, end="terminated"))
+    client = _InProcess(buffer)
+    arrays, info = drain(client, "rollout", 1, timeout_s=1.0, per_item=TAKE_BYTES // 4)
+    assert client.requests == [4, 4, 1] and info["kept"] == 9
+    assert sorted(arrays["row"].tolist()) == sorted(set(arrays["row"].tolist()))
+    obs = sum(4 * int(np.prod(a.shape)) for a in SPEC.observation.values())  # float32
+    assert item_bytes(SPEC) == 2 * obs + 3 * 4 + 64
 
 
 def test_steps_of_an_older_version_are_dropped_and_counted():

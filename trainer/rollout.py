@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 TAKE_MAX = 65536
 """Most items one drain request asks for."""
 
+TAKE_BYTES = 64 << 20
+"""About the most bytes of observations one drain request asks for (well under a frame's limit)."""
+
 DELIVERY_WAIT_S = 30.0
 """Longest rank 0 waits for the gateway's cut chunks to reach the replay service."""
 
@@ -69,14 +72,22 @@ def wait_delivered(control: Any, deadline_s: float = DELIVERY_WAIT_S) -> bool:
         time.sleep(0.02)
 
 
+def item_bytes(spec: Any) -> int:
+    """Bytes one transition of ``spec`` takes in a batch (its observation twice, the action)."""
+    obs = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in spec.observation.values())
+    return 2 * obs + int(np.prod(spec.action.shape)) * np.dtype(spec.action.dtype).itemsize + 64
+
+
 def drain(
-    replay: Any, table: str, version: int, timeout_s: float
+    replay: Any, table: str, version: int, timeout_s: float, per_item: int = 1024
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """Rank 0: take every item of ``table``; keep those of ``version``; counts of both."""
+    """Rank 0: take every item of ``table`` (``per_item`` bytes each, for the request size);
+    keep those of ``version``; counts of both."""
     size = int(replay.status(timeout_s=timeout_s)["tables"][table]["size"])
+    step = max(1, min(TAKE_MAX, TAKE_BYTES // max(per_item, 1)))
     parts: list[dict[str, np.ndarray]] = []
     while size > 0:
-        n = min(size, TAKE_MAX)
+        n = min(size, step)
         parts.append(replay.take({table: n}, timeout_s=timeout_s))
         size -= n
     if not parts:
@@ -121,7 +132,8 @@ def fetch_rollout(trainer: Any, version: int) -> tuple[dict[str, torch.Tensor], 
     if world.is_main:
         if trainer.control is not None:
             wait_delivered(trainer.control)
-        arrays, info = drain(trainer.replay, table, version, min(trainer.tc.sample_timeout_s, 30.0))
+        timeout = min(trainer.tc.sample_timeout_s, 30.0)
+        arrays, info = drain(trainer.replay, table, version, timeout, item_bytes(trainer.spec))
     counts = [info["taken"], info["kept"], info["stale"]]
     if world.size > 1:
         shared = torch.tensor(counts, dtype=torch.int64, device=world.device)
