@@ -73,6 +73,11 @@ class TorchReachConfig:
     """A fingertip this close to the target (m) succeeds."""
     terminate_on_success: bool = False
     """End an episode (``terminated``) the step its fingertip reaches the target."""
+    threads: int = 1
+    """Torch intra-op threads of this process when ``device`` is the CPU (0: torch's
+    default, one per core). One: the worker shares the CPUs with the gateway and the
+    inference server, and spinning thread pools that compete for cores cost far more than
+    they gain (45 ms instead of 2 ms a step at 4096 envs on 2 shared cores)."""
     random_start: bool = False
     """Start the first episodes at random ages in ``[0, episode_length)`` (what rsl_rl's
     ``init_at_random_ep_len`` does to Isaac Lab's ``episode_length_buf``), so that envs do
@@ -93,6 +98,8 @@ class TorchReachConfig:
             raise ValueError(f"env.options.device: {exc}") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"env.options.device is {self.device!r} but CUDA is not available here")
+        if self.threads < 0:
+            raise ValueError(f"env.options.threads must be >= 0, got {self.threads}")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"env.options.device must be cpu or cuda[:i], got {self.device!r}")
 
@@ -106,6 +113,8 @@ class TorchReachEnv:
         self.cfg = cfg
         self.num_envs = num_envs
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu" and cfg.threads:
+            torch.set_num_threads(cfg.threads)
         self.max_episode_length = cfg.episode_length
         self.step_dt = cfg.dt
         self._gen = torch.Generator(device=self.device)
