@@ -24,6 +24,7 @@ SUITES: dict[str, str] = {
     "trainer": "benchmarks.trainer:run",
     "learn": "benchmarks.learn:run",
     "mjlab": "benchmarks.mjlab:run",
+    "batched": "benchmarks.batched:run",
     "console": "benchmarks.console:run",
 }
 """Suites in the order they run."""
