@@ -193,3 +193,34 @@ def test_a_gateway_that_declines_gets_frames_and_the_name_is_removed(gateway_run
     assert shm.segments_of(worker.pid) == []
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=30) == 0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_a_restarted_gateway_gets_a_fresh_ring_and_nothing_is_lost_or_left_behind(gateway_run):
+    run = _counter_run(gateway_run)
+    worker = run.worker(0)
+    wait_for(lambda: run.status()["env_steps"] >= 128 * 20, timeout=time_left(), what="20 batches")
+    first_gateway = run.proc.pid
+    run.kill()  # SIGKILL: its mapping goes with it; the worker's ring was unlinked long ago
+    assert shm.segments_of(first_gateway) == [] and shm.segments_of(worker.pid) == []
+    run.start()  # same run folder, same addresses: the worker reconnects and resends
+    status = wait_for(
+        lambda: (
+            (s := run.status())["workers"]
+            and s["workers"][0]["shm_bytes"] > 0
+            and s["env_steps"] > 128 * 10
+            and s
+        ),
+        timeout=time_left(),
+        what="the worker to collect through a new ring",
+    )
+    assert status["workers"][0]["shm"] and shm.segments_of(worker.pid) == []
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    status = wait_for(lambda: (s := run.status())["workers"] == [] and s, timeout=time_left(), what="BYE")
+    acked = status["acked_steps"]
+    assert run.drain()["drained"]
+    count = EpisodeStore(run.run_dir / "episodes", readonly=True).count()
+    assert count.stored_steps == acked and count.duplicate_steps == 0
+    assert shm.segments_of(worker.pid) == []
