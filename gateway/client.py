@@ -246,6 +246,9 @@ class GatewayVectorEnv(VectorEnv[dict[str, np.ndarray], np.ndarray, np.ndarray])
         self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
         self.metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_fps": spec.control_hz}
+        self.intervention: np.ndarray | None = None
+        """Which envs a person drives (bool per env), sent with each step; None: the
+        gateway's default (every env of a ``takeover`` client is an intervention)."""
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -259,7 +262,8 @@ class GatewayVectorEnv(VectorEnv[dict[str, np.ndarray], np.ndarray, np.ndarray])
         batch = np.asarray(actions, dtype=self.spec_.action.dtype).reshape(
             (self.num_envs, *self.spec_.action.shape)
         )
-        reply = self._conn.call(Message(MsgType.STEP, arrays={"action": batch}))
+        meta = {"intervention": [bool(v) for v in self.intervention]} if self.intervention is not None else {}
+        reply = self._conn.call(Message(MsgType.STEP, meta=meta, arrays={"action": batch}))
         a = reply.arrays
         obs = {k: np.array(v) for k, v in unpack("obs", a).items()}
         result = StepInfo(a["step_info"])

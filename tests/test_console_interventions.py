@@ -222,3 +222,35 @@ def test_the_hil_config_mixes_online_and_intervention_steps_half_and_half():
     assert dict(cfg.trainer.tables) == {"online": 0.5, "interventions": 0.5}
     assert cfg.replay.table("interventions").source == "interventions" and cfg.console.enabled
     preflight(cfg, experiment_spec(cfg.env.backend, dict(cfg.env.options)))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+def test_a_step_can_name_the_envs_a_person_drove_and_a_bad_mask_is_refused(gateway_run):
+    """The console drives one env of a worker: only that env's steps are interventions."""
+    from gateway.protocol import RemoteError
+
+    run = gateway_run({"env": {"backend": "mujoco_reach", "num_envs": 3}, "policy": {"kind": "random"}})
+    run.worker(0)
+    wait_for(lambda: run.status()["env_steps"] > 10, what="the policy's first steps")
+    venv = GatewayVectorEnv(run.endpoints["clients"], takeover=True, timeout_s=10)
+    try:
+        venv.reset(seed=2)
+        venv.intervention = np.array([False, True, False])
+        for _ in range(10):
+            venv.step(np.zeros((3, 3), np.float32))
+        venv.intervention = np.array([True, False])  # wrong length: refused, nothing sent
+        with pytest.raises(RemoteError, match="list of 3 booleans"):
+            venv.step(np.zeros((3, 3), np.float32))
+        venv.intervention = None
+        venv.step(np.zeros((3, 3), np.float32))  # the env survived the bad request
+    finally:
+        venv.close()
+    run.drain()
+    episodes = EpisodeStore(run.run_dir / "episodes", readonly=True).episodes()
+    by_env: dict[int, int] = {}
+    for ep in episodes:
+        by_env[int(ep.meta["env"])] = by_env.get(int(ep.meta["env"]), 0) + int(
+            ep.arrays["intervention"].sum()
+        )
+    assert by_env == {0: 1, 1: 11, 2: 1}  # env 1 for 10 + 1 steps; every env for the last one

@@ -18,6 +18,9 @@ env's control rate::
     loop.hold("window blurred")       # keys up, blur, hidden tab, dropped socket
     loop.release()
 
+Only the env the operator drives is flagged ``intervention`` in the trajectory; the
+worker's other envs get the hold action meanwhile and are stored as ordinary steps.
+
 The hold is enforced here, next to the gateway, not only in the page: with no fresh
 command for ``deadman_s`` the loop sends the hold action. :class:`ActionShaper` turns
 axes into actions, bumpless in both kinds of action space the spec can declare:
@@ -327,6 +330,9 @@ class TeleopLoop:
             next_tick = time.monotonic()
             while not self._stop.is_set():
                 action = self._action(time.monotonic())
+                driven = np.zeros(self.num_envs, bool)
+                driven[self.state.env] = True  # the operator's env: its steps are interventions
+                self.env.intervention = driven
                 try:
                     obs, *_ = self.env.step(action)
                 except RemoteError as exc:

@@ -6,7 +6,8 @@ client instead of the policy; the client's RESET and STEP messages become the wo
 resets and actions. Everything the worker does is still recorded like any other step
 (policy version: the client's ``version``, default 0); the steps a client attached with
 ``takeover: true`` drives are flagged ``intervention`` (the console's teleoperation is
-one), so they also reach the replay service's ``interventions`` tables.
+one), so they also reach the replay service's ``interventions`` tables; a STEP's meta
+``intervention`` (one bool per env) says which envs a person drove, for any client.
 
 When the experiment's policy drives the workers (``policy.kind`` other than
 ``external``), attaching needs ``takeover: true`` in the HELLO: the policy gets the
@@ -231,11 +232,30 @@ class ClientRouter:
                 ErrorCode.UNEXPECTED, "the previous reset or step is still running; wait for its answer"
             )
         action = self._check_step(state, msg)
+        driven = self._interventions(msg, session.num_envs, state.takeover)
         state.waiting_seq = msg.seq
         versions = np.full(session.num_envs, state.version, dtype=np.int64)
-        if state.takeover:
-            session.takeover_seq = session.awaiting
+        if driven is not None:
+            session.takeover_seq, session.takeover_envs = session.awaiting, driven
         self.hub.send_action(session, session.awaiting, np.array(action), versions)
+
+    @staticmethod
+    def _interventions(msg: Message, num_envs: int, takeover: bool) -> np.ndarray | None:
+        """Which envs of a STEP a person drives: its meta ``intervention`` (one bool per
+        env), else every env for a takeover client; None: none."""
+        given = msg.meta.get("intervention")
+        if given is None:
+            return np.ones(num_envs, bool) if takeover else None
+        if (
+            not isinstance(given, list)
+            or len(given) != num_envs
+            or not all(isinstance(g, bool) for g in given)
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"STEP meta intervention must be a list of {num_envs} booleans, got {given!r}",
+            )
+        return np.asarray(given, bool)
 
     def forward_observation(self, session: WorkerSession, msg: Message) -> None:
         assert session.client is not None

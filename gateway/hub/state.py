@@ -15,7 +15,7 @@ the gateway offers them, never its attributes::
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -135,6 +135,8 @@ class WorkerSession:
     takeover_seq: int | None = None
     """Seq of the last observation a takeover client answered (:mod:`gateway.hub.clients`):
     the steps the next observation completes are interventions."""
+    takeover_envs: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    """bool[K]: which envs of that answer a person drove (set with ``takeover_seq``)."""
 
     def receive(self, msg: Message) -> Message:
         """An OBSERVATION with the arrays its shared-memory handles name put in place."""
@@ -185,7 +187,9 @@ class WorkerSession:
             "t_capture": t_capture,
             "t_action": t_action,
             "step": np.asarray(step, dtype=np.int64),
-            "intervention": np.full(len(rows), self.takeover_seq == self.last_seq),
+            "intervention": self.takeover_envs[rows]
+            if self.takeover_seq == self.last_seq
+            else np.zeros(len(rows), bool),
         }
         # Ids as two arrays: strings are made only for the episodes a chunk or an end names.
         return Transitions(EpisodeIds(self.uid, rows, np.asarray(episode)), rows, obs, action, columns)
