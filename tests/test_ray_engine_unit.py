@@ -170,3 +170,21 @@ def test_a_claimed_scale_request_gets_its_answer(tmp_path):
     thread.start()
     assert request_scale(tmp_path, "env.workers", 3, timeout_s=20) == answer
     thread.join(timeout=5)
+
+
+def test_up_with_no_ray_cluster_at_the_address_fails_at_once_with_exit_2(tmp_path):
+    from gateway.services import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    result = loopgate(
+        "up",
+        str(REPO / "configs" / "collect_pd.yaml"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--ray",
+        address,
+        timeout=90,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"run.ray_address '{address}': no Ray cluster answers there" in result.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,8 @@ FORWARDED_ENV = (
 )
 """Driver environment variables the services get on every node (their own node's
 environment is the base)."""
+PROBE_TIMEOUT_S = 10.0
+"""How long ``loopgate up`` tries to reach a cluster's GCS before it says there is none."""
 _HOST = re.compile(r"^(tcp|http)://([^:/]+):(\d+)(.*)$")
 
 
@@ -74,6 +77,8 @@ class RayEngine:
             ) from exc
         self.ray = ray
         address = cfg.run.ray_address
+        if address:
+            probe_gcs(os.environ.get("RAY_ADDRESS", "") if address == "auto" else address)
         try:
             if address:
                 ray.init(address=address, log_to_driver=False, namespace="loopgate")
@@ -105,6 +110,18 @@ class RayEngine:
 
     def close(self) -> None:
         self.ray.shutdown()
+
+
+def probe_gcs(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Fail fast on a ``host:port`` nobody listens at: Ray itself retries for minutes."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto" without RAY_ADDRESS (a local cluster), or a scheme Ray resolves itself
+    log.info("joining the Ray cluster at %s (up to %.0f s)", address, timeout_s)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(f"run.ray_address {address!r}: no Ray cluster answers there ({exc})") from exc
 
 
 def check_cluster(cfg: ExperimentConfig, nodes: list[dict[str, Any]], driver_ip: str) -> None:
