@@ -488,3 +488,29 @@ def test_doctor_says_what_isaac_needs_and_where_the_mjlab_venv_is():
     mjlab = checks["mjlab venv"]
     assert mjlab["ok"], mjlab  # make install creates it
     assert "mjlab 1.6.0" in mjlab["detail"] and ".venv-mjlab/bin/python" in mjlab["detail"]
+
+
+def test_isaac_example_config_validates_and_names_its_interpreter():
+    from gateway.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "isaac_reach_franka.yaml")
+    assert cfg.env.backend == "isaac" and cfg.env.python == "~/isaac-venv/bin/python"
+    assert cfg.env.options["task"] == "Isaac-Reach-Franka-v0" and cfg.env.options["device"] == "cuda:0"
+
+
+@pytest.mark.timeout(120)
+def test_isaac_missing_from_the_worker_venv_stops_up_with_what_isaac_needs(tmp_path):
+    from tests.conftest import REPO, loopgate, time_left
+
+    python = REPO / ".venv-mjlab" / "bin" / "python"  # a real second venv, without Isaac
+    assert python.exists(), f"{python} is missing: `make install` creates it"
+    config = tmp_path / "isaac.yaml"
+    config.write_text(
+        f"env: {{backend: isaac, python: {python}, num_envs: 2, options: {{device: 'cuda:0'}}}}\n"
+        "policy: {kind: random}\n"
+    )
+    out = loopgate("up", str(config), "--run-dir", str(tmp_path / "run"), timeout=time_left())
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"env.backend 'isaac' cannot be built by {python}" in out.stderr
+    assert "missing Python package 'isaaclab'" in out.stderr and "Python 3.12" in out.stderr
+    assert not (tmp_path / "run" / "endpoints.json").exists()
