@@ -89,11 +89,12 @@ def check_interpreter(python: str, timeout_s: float = 60.0) -> dict[str, Any]:
     return facts
 
 
-def foreign_spec(python: str, backend: str, options: dict[str, Any], timeout_s: float = 300.0) -> EnvSpec:
+def foreign_spec(python: str, backend: str, options: dict[str, Any], timeout_s: float = 600.0) -> EnvSpec:
     """The env spec of ``backend`` built by ``python`` (``gateway.worker --write-spec``).
 
     Building the backend imports the simulator (mjlab: seconds; Isaac Sim starts once: a
-    minute or more); errors come back as the worker wrote them, as a :class:`ConfigError`.
+    minute or more, several on its very first start while it fills its caches); errors come
+    back as the worker wrote them, as a :class:`ConfigError`.
     """
     path = interpreter(python)
     with tempfile.TemporaryDirectory(prefix="loopgate-spec-") as tmp:
@@ -101,7 +102,12 @@ def foreign_spec(python: str, backend: str, options: dict[str, Any], timeout_s: 
         argv = [path, "-m", "gateway.worker", "--backend", backend, "--write-spec", str(target)]
         for key, value in options.items():
             argv += ["--option", f"{key}={json.dumps(value)}"]
-        log.info("reading the env spec of %r in %s (this imports the simulator)", backend, path)
+        log.info(
+            "reading the env spec of %r in %s (this imports the simulator; waiting up to %.0f s)",
+            backend,
+            path,
+            timeout_s,
+        )
         started = time.monotonic()
         try:
             out = subprocess.run(
