@@ -67,7 +67,8 @@ def make(tmp, sink_cls=StoreSink, **kw) -> Recorder:
 def run_steps(rec: Recorder, envs: Envs, steps: int, lazy: bool) -> None:
     for _ in range(steps):
         batch, done = envs.batch(lazy)
-        rec.record(batch, worker="w1", task="reach")
+        flags = (envs.episode % 3 == 1).tolist()  # some episodes are evaluation episodes
+        rec.record(batch, worker="w1", task="reach", eval_flags=flags if any(flags) else None)
         ended = np.flatnonzero(done)
         reasons = ["terminated" if batch.columns["terminated"][e] else "truncated" for e in ended]
         final = {"q": np.full((len(ended), 3), -1.0, np.float32)}
@@ -96,6 +97,15 @@ def test_a_batch_is_stored_exactly_as_the_per_episode_path_stores_it(tmp_path):
         rec.close()
     per_episode, batched = stored(tmp_path / "False"), stored(tmp_path / "True")
     assert per_episode and batched == per_episode
+    evals = {
+        name: {
+            c.meta["episode_id"]
+            for c in EpisodeStore(tmp_path / name / "episodes", readonly=True).chunks()
+            if c.meta["eval"]
+        }
+        for name in ("False", "True")
+    }
+    assert evals["True"] and evals["True"] == evals["False"]
     chunks = EpisodeStore(tmp_path / "True" / "episodes", readonly=True).count()
     assert chunks.duplicate_steps == 0 and chunks.completed_episodes > N
 
