@@ -99,6 +99,10 @@ def test_worker_in_another_python_with_only_the_worker_extra_collects_through_th
         "gymnasium": False,
         "prometheus_client": False,
     }, facts
+    entry = subprocess.run(
+        [str(worker_venv.parent / "loopgate"), "worker", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert entry.returncode == 0 and "loopgate worker --connect" in entry.stdout, entry.stderr[-2000:]
     run = tmp_path / "run"
     out = loopgate(
         "up", str(config(tmp_path, str(worker_venv))), "--run-dir", str(run), "--max-env-steps", "200",
