@@ -148,10 +148,17 @@ def _map(path: Path, size: int, *, create: bool) -> mmap.mmap:
     fd = os.open(path, flags, 0o600)
     try:
         if create:
-            os.ftruncate(fd, size)
+            # Reserve the pages now: a full /dev/shm refuses here (the worker sends frames)
+            # instead of killing the worker with SIGBUS at its first write into the ring.
+            os.posix_fallocate(fd, 0, size)
         elif os.fstat(fd).st_size < size:
             raise ValueError(f"segment {path.name} has {os.fstat(fd).st_size} bytes, the offer says {size}")
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        if create:  # nobody else knows the name yet
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        raise
     finally:
         os.close(fd)
 

@@ -110,6 +110,13 @@ def test_a_vanished_or_foreign_segment_is_declined_and_its_name_removed(ring):
 
 
 @pytest.mark.unit
+def test_a_ring_larger_than_free_shared_memory_is_refused_up_front_and_leaves_no_name():
+    with pytest.raises(OSError):  # ENOSPC at creation, not SIGBUS at the first write
+        shm.ShmWriter.create(1 << 44)  # 64 TiB: more than any /dev/shm holds
+    assert shm.segments_of(os.getpid()) == []
+
+
+@pytest.mark.unit
 def test_the_sweep_removes_segments_of_dead_processes_only(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
