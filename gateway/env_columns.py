@@ -11,7 +11,7 @@ per array, whatever ``K`` is::
     dup = cols.duplicates(envs, numbers, step)       # bool[k]: re-sent steps
     cols.start(envs[new], numbers[new], eval_flags)  # envs whose episode begins now
     cols.write(envs, steps, segment)                 # one batch, vectorised
-    chunk, segments, n = cols.cut(env)               # a TRAJECTORY_CHUNK of env's held steps
+    [(chunk, segments, n)] = cols.cut_many(envs[:1], [None])  # env's held steps as a chunk
 
 Per-episode work (cutting a chunk on a ``chunk_steps`` boundary, closing an episode) is
 a loop over the envs concerned only, which is ``K / chunk_steps`` per step on average.
@@ -104,11 +104,11 @@ class EnvColumns:
         self.pos = np.zeros(0, np.int64)
         """Steps held (the open chunk so far); slot ``i`` of the rings holds its step ``i``."""
         self.eval = np.zeros(0, bool)
-        self.segments = np.zeros((chunk_steps, 0), np.int64)
+        self.segments = np.zeros((0, chunk_steps), np.int64)
         """Spool segment of each held step (trimming waits for the chunk's acknowledgement)."""
         self.obs: dict[str, np.ndarray] = {}
         self.action: np.ndarray | None = None
-        self.scalars = np.zeros((chunk_steps, 0, len(STEP_FIELDS)), np.float64)
+        self.scalars = np.zeros((0, chunk_steps, len(STEP_FIELDS)), np.float64)
         """The step fields packed as in the spool record (one assignment per batch, not one per field)."""
         self.grow(num_envs)
 
@@ -131,14 +131,15 @@ class EnvColumns:
         self.first = widen(self.first, 0, 0)
         self.pos = widen(self.pos, 0, 0)
         self.eval = widen(self.eval, False, 0)
-        self.segments = widen(self.segments, 0, 1)
-        self.obs = {k: widen(v, 0, 1) for k, v in self.obs.items()}
-        self.action = None if self.action is None else widen(self.action, 0, 1)
-        self.scalars = widen(self.scalars, 0, 1)
+        self.segments = widen(self.segments, 0, 0)
+        self.obs = {k: widen(v, 0, 0) for k, v in self.obs.items()}
+        self.action = None if self.action is None else widen(self.action, 0, 0)
+        self.scalars = widen(self.scalars, 0, 0)
         self.n = num_envs
 
     def _ring(self, like: np.ndarray) -> np.ndarray:
-        return np.zeros((self.chunk_steps, self.n, *like.shape[1:]), like.dtype)
+        # Env-major: an env's held steps are contiguous, so cutting its chunk is one slice.
+        return np.zeros((self.n, self.chunk_steps, *like.shape[1:]), like.dtype)
 
     # ------------------------------------------------------------- batch path
 
@@ -175,7 +176,7 @@ class EnvColumns:
         step = np.asarray(steps.columns["step"], np.int64)
         starting = slot == 0
         self.first[envs[starting]] = step[starting]
-        flat = slot * self.n + envs  # rows of the rings seen as [chunk_steps * n, ...]
+        flat = envs * self.chunk_steps + slot  # rows of the rings seen as [n * chunk_steps, ...]
         for key, value in steps.obs.items():
             ring = self.obs.get(key)
             if ring is None:
@@ -202,23 +203,16 @@ class EnvColumns:
     def episode_id(self, env: int) -> str:
         return episode_id(self.worker, env, int(self.episode[env]))
 
-    def cut(
-        self, env: int, *, end: str | None = None, final_obs: Mapping[str, np.ndarray] | None = None
-    ) -> tuple[Message, Counter[int], int]:
-        """Env ``env``'s held steps as a chunk (``end``: the episode ends with it), the spool
-        segments they came from, and their number; the env holds none afterwards."""
-        fo = None if final_obs is None else {k: np.asarray(v)[None] for k, v in final_obs.items()}
-        return self.cut_many(np.array([env]), [end], fo)[0]
-
     def cut_many(
         self,
         envs: np.ndarray,
         ends: Sequence[str | None],
         final_obs: Mapping[str, np.ndarray] | None = None,
     ) -> list[tuple[Message, Counter[int], int]]:
-        """:meth:`cut` for several envs (``final_obs`` rows in ``envs``' order), in that
-        order: envs holding as many steps are gathered with one copy per array, and each
-        chunk's arrays are views of it."""
+        """Each env's held steps as a chunk (``ends[i]``: the episode of ``envs[i]`` ends
+        with it; ``final_obs`` rows in ``envs``' order), the spool segments they came from
+        and their number, in that order; the envs hold none afterwards. Envs holding as
+        many steps are gathered with one copy per array; each chunk's arrays are views of it."""
         envs = np.asarray(envs, np.int64)
         out: list[tuple[Message, Counter[int], int] | None] = [None] * len(envs)
         held = self.pos[envs]
@@ -226,13 +220,12 @@ class EnvColumns:
         for p in np.unique(held).tolist():
             group = np.flatnonzero(held == p)
             idx = envs[group]
-            # One gather per array: [g, p, ...], contiguous per env.
-            flat = np.arange(p)[None, :] * self.n + idx[:, None]
-            obs = {k: _rows(v)[flat] for k, v in self.obs.items()}
-            action = None if self.action is None else _rows(self.action)[flat]
-            scalars = _rows(self.scalars)[flat]
+            # One gather per array: [g, p, ...], each env's rows one contiguous block.
+            obs = {k: v[idx, :p] for k, v in self.obs.items()}
+            action = None if self.action is None else self.action[idx, :p]
+            scalars = self.scalars[idx, :p]
             fields = {k: scalars[:, :, j].astype(dt) for j, (k, dt) in enumerate(STEP_FIELDS.items())}
-            segs = _rows(self.segments)[flat]
+            segs = self.segments[idx, :p]
             one_segment = (segs.min(axis=1) == segs.max(axis=1)) if p else np.ones(len(idx), bool)
             for j, (g, env) in enumerate(zip(group.tolist(), idx.tolist())):
                 arrays: dict[str, np.ndarray] = {f"obs/{k}": v[j] for k, v in obs.items()}
@@ -288,7 +281,7 @@ class EnvColumns:
 
 
 def _rows(ring: np.ndarray) -> np.ndarray:
-    """A ring ``[chunk_steps, n, ...]`` as ``[chunk_steps * n, ...]`` (a view)."""
+    """A ring ``[n, chunk_steps, ...]`` as ``[n * chunk_steps, ...]`` (a view)."""
     return ring.reshape(-1, *ring.shape[2:])
 
 

@@ -103,8 +103,9 @@ class ColumnRecording:
         envs, numbers = ids.envs, ids.numbers
         step = np.asarray(steps.columns["step"], np.int64)
         # A newer episode in an env whose episode is still open: that one was cut short.
-        for env in envs[cols.open[envs] & (numbers > cols.episode[envs])].tolist():
-            self._end_env(cols, env, "interrupted", None)
+        stale = envs[cols.open[envs] & (numbers > cols.episode[envs])]
+        if len(stale):
+            self._end_envs(cols, stale, ["interrupted"] * len(stale))
         same = cols.open[envs] & (numbers == cols.episode[envs])
         crossing = envs[same & cols.boundary(envs, step)]
         if len(crossing):
@@ -148,12 +149,6 @@ class ColumnRecording:
             self.closed[cols.episode_id(env)] = int(cols.next_step[env])
         while len(self.closed) > CLOSED_MEMORY:
             self.closed.popitem(last=False)
-
-    def _end_env(
-        self, cols: EnvColumns, env: int, reason: str, final_obs: Mapping[str, np.ndarray] | None
-    ) -> None:
-        fo = {k: np.asarray(v)[None] for k, v in final_obs.items()} if final_obs else None
-        self._end_envs(cols, np.array([env]), [reason], fo)
 
     def end_many(
         self,

@@ -179,3 +179,19 @@ def test_episode_ids_are_made_on_demand_and_split_back():
     assert split_episode_id("nonsense") is None
     with pytest.raises(ValueError, match="differ in shape"):
         EpisodeIds("w", np.arange(3), np.arange(2))
+
+
+def test_a_newer_episode_in_an_env_closes_the_open_one_as_interrupted(tmp_path):
+    rec = make(tmp_path)
+    envs = Envs()
+    envs.length[:] = 100  # nothing ends by itself
+    run_steps(rec, envs, 3, lazy=True)
+    envs.episode[0] += 1  # env 0 moved on without its episode ending (a lost end)
+    envs.step[0] = 0
+    run_steps(rec, envs, 2, lazy=True)
+    assert rec.counters.episodes_interrupted == 1 and rec.open_episodes() == N
+    rec.drain()
+    settle(rec)
+    episodes = {ep.episode_id: ep for ep in EpisodeStore(tmp_path / "episodes", readonly=True).episodes()}
+    assert episodes["w1-0-0"].end == "interrupted" and episodes["w1-0-0"].num_steps == 3
+    assert episodes["w1-0-1"].num_steps == 2
