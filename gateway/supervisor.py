@@ -35,6 +35,7 @@ from gateway import lifeline
 from gateway.config import ConfigError, ExperimentConfig, load_config
 from gateway.control_client import ControlClient
 from gateway.engines import open_engine
+from gateway.engines.autoscale import Autoscaler
 from gateway.engines.scaling import serve_requests
 from gateway.factory import experiment_spec
 from gateway.live import LiveView
@@ -449,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     control = ControlClient(run.endpoints["gateway"]["control"], keys)
     sup = Supervisor(cfg, run, services, launcher=engine.launcher(cfg, run))
     metrics = MetricsWriter(run.run_dir / "metrics.jsonl", "up")
+    autoscaler = Autoscaler(cfg, run)
     interrupted = {"n": 0}
 
     def _sigint(signum: int, frame: Any) -> None:
@@ -494,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                 # A timeout means the gateway is restarting; the supervisor brings it back.
                 with contextlib.suppress(Timeout):
                     status = control.request("status", timeout_s=2.0)
+                autoscaler.tick(sup, status, metrics)
                 view.update(status, sup.describe(), {})
                 record = {k: v for k, v in status.items() if k not in ("spec", "rtt", "workers")}
                 metrics.emit({"services": {p["name"]: p["state"] for p in sup.describe()}, **record})

@@ -46,7 +46,18 @@ class InferenceConfig:
     enabled: bool = False
     """Start inference servers with ``loopgate up`` (``policy.kind: inference`` needs it)."""
     replicas: int = 1
-    """Number of server processes; the gateway balances requests across them."""
+    """Number of server processes; the gateway balances requests across them. With
+    ``max_replicas``, the fewest ``loopgate up`` keeps running."""
+    max_replicas: int = 0
+    """Autoscaling: ``loopgate up`` runs between ``replicas`` and this many servers, following
+    the gateway's queue (``scale_up_rows``); 0 keeps ``replicas`` fixed."""
+    scale_up_rows: float = 64.0
+    """Autoscaling: one more replica when the rows the gateway has in flight or waiting, per
+    live replica, stay above this for ``scale_window_s``; one fewer below a quarter of it."""
+    scale_window_s: float = 5.0
+    """Autoscaling: how long the queue must stay above (or below) its mark before a change."""
+    scale_cooldown_s: float = 15.0
+    """Autoscaling: the least time between two changes (a new replica needs a while to serve)."""
     backend: Literal["onnxruntime", "torch"] = "onnxruntime"
     """Runtime that executes the policy network."""
     providers: tuple[str, ...] = (
@@ -90,9 +101,22 @@ class InferenceConfig:
     metrics_interval_s: float = 1.0
     """Period of each server's record in ``metrics.jsonl``."""
 
+    @property
+    def slots(self) -> int:
+        """Replica indices a run may use: ``max_replicas`` with autoscaling, else ``replicas``."""
+        return max(self.replicas, self.max_replicas)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "providers", tuple(self.providers))
         object.__setattr__(self, "batch_buckets", tuple(self.batch_buckets))
+        if self.max_replicas and self.max_replicas < self.replicas:
+            raise ConfigError(
+                f"inference.max_replicas ({self.max_replicas}) must be 0 (no autoscaling) or >= "
+                f"inference.replicas ({self.replicas})"
+            )
+        for name in ("scale_up_rows", "scale_window_s", "scale_cooldown_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"inference.{name} must be > 0, got {getattr(self, name)}")
         positive = {"replicas": self.replicas, "max_batch": self.max_batch}
         for name, value in positive.items():
             if value < 1:
@@ -116,9 +140,9 @@ class InferenceConfig:
                 )
         if not _DEVICE.match(self.device):
             raise ConfigError(f"inference.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.base_port and not 1024 <= self.base_port <= 65535 - 3 * self.replicas:
+        if self.base_port and not 1024 <= self.base_port <= 65535 - 3 * self.slots:
             raise ConfigError(
-                f"inference.base_port must be 0 or in 1024..{65535 - 3 * self.replicas}, got {self.base_port}"
+                f"inference.base_port must be 0 or in 1024..{65535 - 3 * self.slots}, got {self.base_port}"
             )
         if self.threads < 0:
             raise ConfigError(f"inference.threads must be >= 0, got {self.threads}")

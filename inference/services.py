@@ -66,26 +66,29 @@ def plan(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
     icfg: InferenceConfig = cfg.inference
     if not icfg.enabled:
         return []
-    entries = [replica_addresses(cfg, run.run_dir, i) for i in range(icfg.replicas)]
+    entries: list[dict[str, Any]] = [replica_addresses(cfg, run.run_dir, i) for i in range(icfg.slots)]
+    for entry in entries[icfg.replicas :]:
+        # Slots for autoscaling: addresses fixed now, a server only while load needs it.
+        entry["autoscaled"] = True
     run.endpoints["inference"] = entries
-    services = []
-    for index in range(icfg.replicas):
-        argv = run.module(
-            "inference",
-            "--config",
-            str(run.config_path),
-            "--run-dir",
-            str(run.run_dir),
-            "--spec",
-            str(run.run_dir / "spec.json"),
-            "--index",
-            str(index),
-        )
-        # Before the gateway (order 20): its action source finds the servers up.
-        services.append(
-            Service(name=f"inference-{index}", argv=argv, order=10, ready_timeout_s=60.0, metrics=True)
-        )
-    return services
+    return [replica_service(cfg, run, index) for index in range(icfg.replicas)]
+
+
+def replica_service(cfg: ExperimentConfig, run: RunContext, index: int) -> Service:
+    """The service of replica ``index`` (planned at the start, or started by the autoscaler)."""
+    argv = run.module(
+        "inference",
+        "--config",
+        str(run.config_path),
+        "--run-dir",
+        str(run.run_dir),
+        "--spec",
+        str(run.run_dir / "spec.json"),
+        "--index",
+        str(index),
+    )
+    # Before the gateway (order 20): its action source finds the servers up.
+    return Service(name=f"inference-{index}", argv=argv, order=10, ready_timeout_s=60.0, metrics=True)
 
 
 def preflight(cfg: ExperimentConfig, spec: Any) -> None:

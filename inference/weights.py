@@ -318,7 +318,8 @@ def weights_addresses(targets: Sequence[str | Mapping[str, Any]]) -> list[str]:
 
 
 class WeightsPublisher:
-    """Sends versioned weights to inference servers and waits for every answer."""
+    """Sends versioned weights to inference servers and waits for every answer (one result
+    per server, autoscaling slots with no server left out)."""
 
     def __init__(
         self,
@@ -332,11 +333,17 @@ class WeightsPublisher:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.addresses = weights_addresses(targets)
+        self.optional = [isinstance(t, Mapping) and bool(t.get("autoscaled")) for t in targets]
+        """Autoscaling slots: a server runs there only while load needs it. A publication
+        skips one that is not connected (it catches up at the next one) instead of waiting
+        for it; a planned server that is restarting gets its publication queued, as ever."""
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self._ctx = context or zmq.Context.instance()
         self._socks: list[zmq.Socket[Any]] = []
-        for address in self.addresses:
+        for address, optional in zip(self.addresses, self.optional):
             sock = make_socket(self._ctx, zmq.DEALER, sndhwm=0, rcvhwm=0)
+            if optional:
+                sock.immediate = True  # a send with no server connected fails at once
             connect(sock, address, keys)
             self._socks.append(sock)
         self._seq = 1 << 20
@@ -363,14 +370,25 @@ class WeightsPublisher:
 
     def _send(self, messages: list[Message], check: bool) -> list[dict[str, Any]]:
         base = self._seq
+        skipped: set[int] = set()
         for msg in messages:
             msg.seq = base + msg.seq if msg.type is MsgType.WEIGHTS else msg.seq
-            for sock in self._socks:
-                send(sock, msg)
+            for i, sock in enumerate(self._socks):
+                if i in skipped:
+                    continue
+                if not self.optional[i]:
+                    send(sock, msg)
+                    continue
+                try:
+                    send(sock, msg, flags=zmq.NOBLOCK)
+                except zmq.Again:  # no server in this autoscaling slot now
+                    skipped.add(i)
         first, last = messages[0].seq, messages[-1].seq
         self._seq = last
         results = [
-            self._answer(sock, address, first, last) for sock, address in zip(self._socks, self.addresses)
+            self._answer(sock, address, first, last)
+            for i, (sock, address) in enumerate(zip(self._socks, self.addresses))
+            if i not in skipped
         ]
         failed = [r for r in results if not r["ok"]]
         if check and failed:

@@ -197,6 +197,8 @@ def rehost(endpoints: dict[str, Any], service: str, ip: str) -> bool:
     changed = False
     for entry in entries:
         for key, value in entry.items():
+            if not isinstance(value, str):
+                continue  # e.g. an autoscaling slot's flag
             new = _with_host(value, ip)
             changed |= new != value
             entry[key] = new

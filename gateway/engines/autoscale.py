@@ -1,0 +1,121 @@
+"""Inference replicas that follow the load: between ``inference.replicas`` and ``max_replicas``.
+
+``loopgate up`` (any engine) asks the gateway for its status every tick anyway; the
+:class:`Autoscaler` reads the gateway's view of its inference servers from it (rows in
+flight on each live replica, requests waiting for one) and
+
+- starts the next replica when the rows per live replica stay above
+  ``inference.scale_up_rows`` for ``inference.scale_window_s``;
+- stops the highest-numbered one (never below ``inference.replicas``) when they stay below
+  a quarter of it as long;
+- waits ``inference.scale_cooldown_s`` after each change.
+
+Every replica's addresses are planned at the start (``endpoints.json`` lists
+``max_replicas`` entries; those beyond ``replicas`` carry ``"autoscaled": true``), so the
+gateway's load balancer already heartbeats every slot: a started replica joins it as soon
+as it answers (once it serves the newest policy version: the trainer's next publication
+reaches it), a stopped one is marked down and its requests retried elsewhere. The
+trainer's publications skip slots with no server. Each change is logged and appended to
+``metrics.jsonl`` as ``{"autoscale": {...}}``; the status table shows the replicas.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import time
+from typing import Any
+
+from gateway.config import ExperimentConfig
+
+log = logging.getLogger("loopgate.autoscale")
+
+REPLICA_SERVICE = "inference.services:replica_service"
+_REPLICA = re.compile(r"^inference-(\d+)$")
+
+
+def queue_rows(status: dict[str, Any], rows_per_request: int) -> tuple[float, int]:
+    """(rows in flight or waiting per live replica, live replicas) from a gateway status;
+    a request waiting for a replica is one worker's observation, ``rows_per_request`` rows."""
+    policy = status.get("policy") or {}
+    replicas = [r for r in policy.get("replicas", []) if r.get("up")]
+    rows = sum(int(r.get("inflight_rows", 0)) for r in replicas)
+    rows += int(policy.get("waiting", 0)) * rows_per_request
+    return rows / max(1, len(replicas)), len(replicas)
+
+
+def plan_replica(cfg: ExperimentConfig, run: Any, index: int) -> Any:
+    """Replica ``index``'s service, planned as ``loopgate up`` planned the first ones."""
+    module, _, attr = REPLICA_SERVICE.partition(":")
+    return getattr(importlib.import_module(module), attr)(cfg, run, index)
+
+
+class Autoscaler:
+    """Starts and stops ``inference-<i>`` services of a run as its queue asks."""
+
+    def __init__(self, cfg: ExperimentConfig, run: Any) -> None:
+        self.cfg, self.run = cfg, run
+        icfg = cfg.inference if cfg.has("inference") else None
+        self.enabled = bool(icfg and icfg.enabled and icfg.max_replicas > icfg.replicas)
+        self.icfg = icfg
+        self.above_since: float | None = None
+        self.below_since: float | None = None
+        self.last_change = time.monotonic()
+        self.changes = 0
+
+    def running(self, sup: Any) -> list[int]:
+        return sorted(int(m.group(1)) for name in sup.procs if (m := _REPLICA.match(name)))
+
+    def tick(self, sup: Any, status: dict[str, Any], metrics: Any = None) -> dict[str, Any] | None:
+        """Look at the gateway's queue once; start or stop a replica when it is time. The
+        change made, if any."""
+        if not self.enabled or not status or status.get("paused") is None:
+            return None
+        icfg = self.icfg
+        assert icfg is not None
+        now = time.monotonic()
+        load, live = queue_rows(status, self.cfg.env.num_envs)
+        mark = icfg.scale_up_rows
+        self.above_since = (self.above_since or now) if load > mark else None
+        self.below_since = (self.below_since or now) if load < mark / 4 else None
+        if now - self.last_change < icfg.scale_cooldown_s:
+            return None
+        running = self.running(sup)
+        change: dict[str, Any] | None = None
+        if self.above_since is not None and now - self.above_since >= icfg.scale_window_s:
+            free = [i for i in range(icfg.slots) if i not in running]
+            if free:
+                service = plan_replica(self.cfg, self.run, free[0])
+                sup.start(sup.add(service))
+                change = {"started": service.name}
+        elif self.below_since is not None and now - self.below_since >= icfg.scale_window_s:
+            extra = [i for i in running if i >= icfg.replicas]
+            if extra:
+                name = f"inference-{extra[-1]}"
+                sup.stop([name], timeout_s=self.cfg.run.drain_timeout_s)
+                sup.remove(name)
+                change = {"stopped": name}
+        if change is None:
+            return None
+        self.last_change, self.above_since, self.below_since = now, None, None
+        self.changes += 1
+        change.update(
+            {
+                "replicas": len(self.running(sup)),
+                "previous": len(running),
+                "rows_per_replica": round(load, 1),
+                "live": live,
+            }
+        )
+        log.info(
+            "autoscaled inference %d -> %d (%s; %.1f rows in flight per live replica, mark %.0f)",
+            change["previous"],
+            change["replicas"],
+            f"started {change['started']}" if "started" in change else f"stopped {change['stopped']}",
+            load,
+            mark,
+        )
+        if metrics is not None:
+            metrics.emit({"autoscale": change})
+        return change
