@@ -22,7 +22,7 @@ from sim_bridges.reach import ReachTask
 from tests.conftest import REPO, time_left
 from trainer.algos import make_algorithm
 from trainer.algos.gae import clipped_surrogate, gae, gaussian_kl, normalise, successors, value_loss
-from trainer.algos.ppo import PPOConfig, action_log_prob
+from trainer.algos.ppo import PPOConfig, action_log_prob, squashed_entropy
 from trainer.replay.config import ReplayConfig, TableConfig
 from trainer.replay.core import ReplayBuffer, Waiting
 from trainer.rollout import TAKE_BYTES, drain, item_bytes
@@ -133,6 +133,29 @@ def test_gaussian_kl_matches_the_closed_form():
         t(0.0).reshape(1, 1), t(0.0).reshape(1, 1), t(1.0).reshape(1, 1), t(math.log(2)).reshape(1, 1)
     )
     assert float(kl) == pytest.approx(math.log(2) + (1 + 1) / (2 * 4) - 0.5)
+
+
+def test_the_entropy_bonus_is_the_squashed_policys_and_does_not_reward_saturation():
+    class Unit(torch.nn.Module):  # actions in [-1, 1]
+        action_half = torch.ones(1)
+
+    def estimate(log_std: float) -> float:
+        g = torch.Generator().manual_seed(0)
+        eps = torch.randn(200_000, 1, generator=g)
+        mean, ls = torch.zeros(200_000, 1), torch.full((200_000, 1), log_std)
+        return float(squashed_entropy(Unit(), mean, ls, eps).mean())
+
+    def exact(log_std: float) -> float:  # H[tanh(u)] = H[u] + E[log(1 - tanh(u)^2)], by quadrature
+        std = math.exp(log_std)
+        u = np.linspace(-12 * std, 12 * std, 400_001)
+        density = np.exp(-0.5 * (u / std) ** 2) / (std * math.sqrt(2 * math.pi))
+        jac = 2 * (math.log(2) - np.abs(u) - np.log1p(np.exp(-2 * np.abs(u))))  # log(1 - tanh(u)^2)
+        return log_std + 0.5 * math.log(2 * math.pi * math.e) + float(np.trapezoid(density * jac, u))
+
+    for log_std in (-2.0, 0.0, 2.0):
+        assert estimate(log_std) == pytest.approx(exact(log_std), abs=0.02)
+    # The Gaussian's entropy grows with std; the squashed one peaks and falls as actions saturate.
+    assert estimate(0.0) > estimate(2.0) and estimate(0.0) > estimate(-2.0)
 
 
 def test_log_prob_of_a_stored_action_is_the_actors_own():

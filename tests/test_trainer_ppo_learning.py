@@ -20,7 +20,7 @@ from trainer.rollout import drain
 
 pytestmark = pytest.mark.unit
 
-ENVS, STEPS_PER_ENV, ROUNDS = 64, 32, 36
+ENVS, STEPS_PER_ENV, ROUNDS = 64, 32, 40
 TASK = MujocoReachConfig(max_episode_steps=50, success_radius=0.05)
 OPTIONS = {
     "gamma": 0.95,
@@ -29,7 +29,7 @@ OPTIONS = {
     "minibatches": 4,
     "lr": 1e-3,
     "schedule": "fixed",
-    "entropy_coef": 0.02,
+    "entropy_coef": 0.05,
 }
 
 
@@ -150,5 +150,5 @@ def test_ppo_learns_to_reach_far_above_the_untrained_policy():
     assert stale[0] == 0 and all(0 <= s <= ENVS for s in stale) and sum(stale) > 0, stale
     assert all(ENVS * (STEPS_PER_ENV - 1) <= k <= ENVS * STEPS_PER_ENV for k in kept)
     assert min(linked) > 0.8  # GAE follows most steps to their successor
-    assert trained[0] > untrained[0] + 4.0, (untrained, trained)
-    assert trained[1] >= max(0.4, untrained[1] + 0.25), (untrained, trained)
+    assert trained[0] > untrained[0] + 5.0, (untrained, trained)
+    assert trained[1] >= max(0.6, untrained[1] + 0.4), (untrained, trained)

@@ -14,8 +14,10 @@ The old log-probabilities and values are recomputed by the trainer at the start 
 with (sync mode trains only between rounds, and steps of other versions are left
 out), so nothing needs to travel with the steps. The log-probability of a stored
 action inverts the actor's tanh squashing (``atanh`` of the action scaled back to
-[-1, 1], kept a hair inside the bounds). The entropy bonus and the KL of the adaptive
-learning rate are the pre-tanh Gaussian's (tanh is a bijection: the KL is the same).
+[-1, 1], kept a hair inside the bounds). The entropy bonus is the squashed policy's
+(``-log π(a)`` of a fresh reparameterised action, as SAC estimates it): the pre-tanh
+Gaussian's entropy would grow without bound by saturating the actions. The KL of the
+adaptive learning rate is the pre-tanh Gaussians' (tanh is a bijection: the KL is the same).
 Advantages: :mod:`trainer.algos.gae` (terminations end the return, time-outs and the
 rollout's edges bootstrap on the critic).
 
@@ -131,9 +133,15 @@ def action_log_prob(
     return (gauss - jacobian).sum(1) - torch.log(half).sum()
 
 
-def entropy(log_std: torch.Tensor) -> torch.Tensor:
-    """Entropy ``[B]`` of the pre-tanh Gaussian."""
-    return (log_std + 0.5 * math.log(2 * math.pi * math.e)).sum(-1)
+def squashed_entropy(
+    actor: nn.Module, mean: torch.Tensor, log_std: torch.Tensor, eps: torch.Tensor
+) -> torch.Tensor:
+    """One-sample estimate ``[B]`` of the tanh-Gaussian's entropy: ``-log π(a)`` for the
+    action ``a = tanh(mean + std·eps)`` (scaled), differentiable through ``mean`` and ``std``."""
+    pre = mean + torch.exp(log_std) * eps
+    gauss = -0.5 * eps.pow(2) - log_std - 0.5 * math.log(2 * math.pi)
+    jacobian = 2.0 * (math.log(2.0) - pre - nn.functional.softplus(-2.0 * pre))
+    return -((gauss - jacobian).sum(1) - torch.log(actor.action_half.reshape(-1)).sum())
 
 
 class PPONetworks(nn.Module):
@@ -171,7 +179,7 @@ class PPONetworks(nn.Module):
         return {
             "policy": clipped_surrogate(log_prob, batch["old_log_prob"], batch["advantage"], clip),
             "value": value_loss(value, batch["old_value"], batch["return"], value_clip),
-            "entropy": entropy(log_std).mean(),
+            "entropy": squashed_entropy(self.actor, mean, log_std, torch.randn_like(mean)).mean(),
             "kl": kl,
             "clip_frac": clipped,
         }
