@@ -52,6 +52,8 @@ ADDED_FIELDS: dict[str, object] = {"intervention": False}
 """Step fields newer than the first spool and chunk format, with the value steps recorded
 before them get: spools, logs and stores written by an older version still read."""
 
+_STEP_DTYPES = {key: np.dtype(dtype) for key, dtype in STEP_FIELDS.items()}
+
 END_REASONS = ("terminated", "truncated", "interrupted")
 
 
@@ -259,7 +261,9 @@ def validate_chunk(msg: Message) -> None:
         arr = msg.arrays.get(key)
         if arr is None:
             raise bad(f"array {key!r} is missing")
-        if arr.dtype.name != dtype or arr.shape != (n,):
+        # Compared as dtype objects: ``dtype.name`` is slow Python code, and the store
+        # validates every chunk (tens per step at thousands of envs).
+        if arr.dtype != _STEP_DTYPES[key] or arr.shape != (n,):
             raise bad(f"array {key!r} is {arr.dtype}{list(arr.shape)}, expected {dtype}[{n}]")
     for key, arr in [*((f"obs/{k}", v) for k, v in obs.items()), ("action", msg.arrays.get("action"))]:
         if arr is None or arr.ndim < 1 or arr.shape[0] != n:
