@@ -68,6 +68,12 @@ class RandomPolicy(Policy):
             spec.action.low_array.astype(np.float64),
             spec.action.high_array.astype(np.float64),
         )
+        if not (np.isfinite(low).all() and np.isfinite(high).all()):
+            raise ValueError(
+                f"policy random: {spec.name}'s action bounds are not finite (low {spec.action.low}, "
+                f"high {spec.action.high}); bound the actions in the env (for Isaac Lab and mjlab "
+                "envs: env.options.clip_actions) or use another policy"
+            )
         mid, half = (low + high) / 2, (high - low) / 2 * self.config.scale
         self._low, self._high = mid - half, mid + half
 
