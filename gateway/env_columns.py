@@ -249,7 +249,8 @@ class EnvColumns:
                 if not p:
                     segments: Counter[int] = Counter()
                 elif one_segment[j]:
-                    segments = Counter({int(segs[j, 0]): p})
+                    segments = Counter()
+                    segments[int(segs[j, 0])] = p  # cheaper than Counter({...})
                 else:
                     segments = Counter(segs[j].tolist())
                 out[g] = (Message(MsgType.TRAJECTORY_CHUNK, meta=meta, arrays=arrays), segments, p)

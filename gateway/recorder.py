@@ -142,6 +142,8 @@ class Recorder(ColumnRecording):
         self._submitted_at: dict[str, float] = {}
         self._pending: list[tuple[Mapping[str, Any], Transitions, int]] = []
         self._cutting = True
+        self._oldest_segment: int | None = None
+        """The oldest spool segment left after the last trim (None: not looked yet)."""
 
     # ------------------------------------------------------------------ record
 
@@ -346,8 +348,13 @@ class Recorder(ColumnRecording):
     def _trim(self) -> None:
         """Delete the oldest segments while every step in them is acknowledged."""
         current = self._spool.current_segment
+        oldest = self._oldest_segment
+        if oldest is not None and (oldest >= current or self._seg_unacked[oldest] > 0):
+            return  # nothing to delete: no need to list the spool (every pump with acks asks)
+        self._oldest_segment = current
         for seg in self._spool.segments():
             if seg >= current or self._seg_unacked[seg] > 0:
+                self._oldest_segment = seg
                 break
             self._spool.delete_segment(seg)
             self._seg_unacked.pop(seg, None)
