@@ -249,6 +249,9 @@ class GatewayVectorEnv(VectorEnv[dict[str, np.ndarray], np.ndarray, np.ndarray])
         self.intervention: np.ndarray | None = None
         """Which envs a person drives (bool per env), sent with each step; None: the
         gateway's default (every env of a ``takeover`` client is an intervention)."""
+        self.policy_version: np.ndarray | None = None
+        """Version of the weights behind each env's action (i64 per env), sent with each
+        step; None: the ``version`` given at attach time for every env."""
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -263,7 +266,10 @@ class GatewayVectorEnv(VectorEnv[dict[str, np.ndarray], np.ndarray, np.ndarray])
             (self.num_envs, *self.spec_.action.shape)
         )
         meta = {"intervention": [bool(v) for v in self.intervention]} if self.intervention is not None else {}
-        reply = self._conn.call(Message(MsgType.STEP, meta=meta, arrays={"action": batch}))
+        arrays = {"action": batch}
+        if self.policy_version is not None:
+            arrays["policy_version"] = np.asarray(self.policy_version, np.int64)
+        reply = self._conn.call(Message(MsgType.STEP, meta=meta, arrays=arrays))
         a = reply.arrays
         obs = {k: np.array(v) for k, v in unpack("obs", a).items()}
         result = StepInfo(a["step_info"])

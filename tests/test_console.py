@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from gateway.console.auth import hash_token
@@ -95,6 +96,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     control = replay = None
     try:
         endpoints = run_dir / "endpoints.json"
+
         def planned() -> bool:
             try:
                 return "console" in json.loads(endpoints.read_text())
@@ -311,6 +313,7 @@ def test_keyboard_takeover_moves_the_joint_and_blur_holds(
         timeout=time_left() * 1000
     )
     wait_for(lambda: run.worker()["client"], time_left(), what="the gateway to hand the worker over")
+    taken_at = time.time()
     page.locator("#workers tbody tr").filter(has_text="console operator").wait_for(timeout=time_left() * 1000)
     # Bumpless: until a key is held the console sends the hold action (zero joint deltas).
     wait_for(lambda: len(joints(page)) == 3, time_left(), what="joint positions")
@@ -342,11 +345,27 @@ def test_keyboard_takeover_moves_the_joint_and_blur_holds(
     page.keyboard.up(key)
     page.screenshot(path=str(tmp_path / "holding.png"))
 
+    released_at = time.time()
     page.get_by_role("button", name="Release").click()
     wait_for(lambda: not run.worker()["client"], time_left(), what="the policy to get the worker back")
     # The takeover's steps are interventions: flagged, counted, and in the interventions table.
     assert run.status()["intervention_steps"] > 0
     wait_for(lambda: run.table_size("interventions") > 0, time_left(), what="intervention steps in replay")
+    # Per env: the operator drove env 0 (flagged); the random policy kept driving env 1.
+    from trainer.replay.export import run_episodes
+
+    def during(env: int, key: str) -> np.ndarray:
+        parts = []
+        for ep in run_episodes(run.run_dir):
+            if int(ep.meta["env"]) == env:
+                t = ep.arrays["t_action"]
+                parts.append(ep.arrays[key][(t > taken_at + 0.5) & (t < released_at - 0.3)])
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    wait_for(lambda: len(during(1, "intervention")) > 10, time_left(), what="the takeover's steps in the log")
+    driven, other = during(0, "intervention"), during(1, "intervention")
+    assert driven.size and driven.all() and not other.any()
+    assert np.abs(during(1, "action")).max() > 0.1  # the policy's random actions, not the hold
 
 
 @pytest.mark.integration

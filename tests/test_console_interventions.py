@@ -226,8 +226,9 @@ def test_the_hil_config_mixes_online_and_intervention_steps_half_and_half():
 
 @pytest.mark.integration
 @pytest.mark.timeout(90)
-def test_a_step_can_name_the_envs_a_person_drove_and_a_bad_mask_is_refused(gateway_run):
-    """The console drives one env of a worker: only that env's steps are interventions."""
+def test_a_step_can_name_the_envs_a_person_drove_and_their_versions_and_bad_ones_are_refused(gateway_run):
+    """The console drives one env of a worker and the policy the others: only that env's
+    steps are interventions, the others carry the policy's versions."""
     from gateway.protocol import RemoteError
 
     run = gateway_run({"env": {"backend": "mujoco_reach", "num_envs": 3}, "policy": {"kind": "random"}})
@@ -237,12 +238,16 @@ def test_a_step_can_name_the_envs_a_person_drove_and_a_bad_mask_is_refused(gatew
     try:
         venv.reset(seed=2)
         venv.intervention = np.array([False, True, False])
+        venv.policy_version = np.array([5, 0, 7])  # a policy chose envs 0 and 2's actions
         for _ in range(10):
             venv.step(np.zeros((3, 3), np.float32))
         venv.intervention = np.array([True, False])  # wrong length: refused, nothing sent
         with pytest.raises(RemoteError, match="list of 3 booleans"):
             venv.step(np.zeros((3, 3), np.float32))
-        venv.intervention = None
+        venv.intervention, venv.policy_version = None, np.array([1, 2])
+        with pytest.raises(RemoteError, match=r"policy_version must be int64\[3\]"):
+            venv.step(np.zeros((3, 3), np.float32))
+        venv.policy_version = None
         venv.step(np.zeros((3, 3), np.float32))  # the env survived the bad request
     finally:
         venv.close()
@@ -254,3 +259,7 @@ def test_a_step_can_name_the_envs_a_person_drove_and_a_bad_mask_is_refused(gatew
             ep.arrays["intervention"].sum()
         )
     assert by_env == {0: 1, 1: 11, 2: 1}  # env 1 for 10 + 1 steps; every env for the last one
+    versions: dict[int, set[int]] = {}
+    for ep in episodes:
+        versions.setdefault(int(ep.meta["env"]), set()).update(ep.arrays["policy_version"].tolist())
+    assert versions == {0: {5, 0}, 1: {0}, 2: {7, 0}}

@@ -20,10 +20,12 @@ import logging
 import os
 import secrets
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gateway import lifeline
-from gateway.config import ConfigError, load_config
+from gateway.config import ConfigError, ExperimentConfig, load_config
 from gateway.console.auth import Credential, hash_token, own_origins
 from gateway.console.config import ConsoleConfig
 
@@ -80,7 +82,26 @@ def main(argv: list[str] | None = None) -> int:
         backend=cfg.env.backend,
         metrics_path=run_dir / "metrics.jsonl",
         log_level=args.log_level,
+        policy_source=_policy_source(cfg, run_dir, endpoints),
     )
+
+
+def _policy_source(cfg: ExperimentConfig, run_dir: Path, endpoints: dict[str, Any]) -> Callable[[], Any]:
+    """Makes the experiment's action source as the gateway makes it (its spec from the run)."""
+
+    def make() -> Any:
+        from gateway.episode import EnvSpec
+        from gateway.factory import experiment_spec
+        from gateway.hub.assembly import make_source
+
+        path = run_dir / "spec.json"
+        if path.exists():
+            spec = EnvSpec.from_dict(json.loads(path.read_text()))
+        else:
+            spec = experiment_spec(cfg.env.backend, dict(cfg.env.options))
+        return make_source(cfg, spec, endpoints)
+
+    return make
 
 
 def _token_file(run_dir: Path) -> str:
@@ -109,6 +130,7 @@ def serve(
     backend: str,
     metrics_path: Path,
     log_level: str = "INFO",
+    policy_source: Callable[[], Any] | None = None,
 ) -> int:
     import uvicorn
 
@@ -134,6 +156,7 @@ def serve(
         metrics=MetricsTail(metrics_path),
         frames=FrameSource([str(a) for a in taps]),
         recorder=Recorder(_replay_control(endpoints), mark_reward=cfg.mark_success_reward),
+        policy_source=policy_source,
     )
     link.start()
     assert console.frames is not None

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,9 @@ class ConsoleApp:
     metrics: MetricsTail | None = None
     frames: camera.FrameSource | None = None
     """The workers' taps (camera frames, env state); None: no live feed."""
+    policy_source: Callable[[], Any] | None = None
+    """Makes the experiment's action source, which drives the envs of a taken-over worker
+    that the operator does not (None, or ``console.others: hold``: they hold)."""
     recorder: Recorder = field(default_factory=lambda: Recorder(None))
     """Takes stored as demonstrations through the replay service."""
     teleop: TeleopLoop | None = None
@@ -380,12 +384,14 @@ async def _on_teleop_message(
             )
             try:
                 frames = console.frames or camera.FrameSource([])
+                make_others = console.policy_source if console.config.others == "policy" else None
                 loop = await run_in_threadpool(
                     lambda: TeleopLoop(
                         console.clients_address,
                         worker=worker,
                         settings=settings,
                         current_obs=lambda: frames.current(worker).obs,
+                        others=make_others() if make_others is not None else None,
                     )
                 )
             except (Timeout, RemoteError) as exc:

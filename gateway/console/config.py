@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 from gateway.config import ConfigError, ExperimentConfig
 from gateway.console.auth import Credential, check_hash, hash_token
@@ -55,6 +56,8 @@ class ConsoleConfig:
     """Commands per second one operator may send; the rest are dropped and counted."""
     teleop_scale: float = 0.5
     """Full key deflection as a fraction of the action's bound."""
+    others: Literal["policy", "hold"] = "policy"
+    """While one env of a worker is teleoperated, its other envs: the experiment's policy drives them, or they hold."""
     mark_success_reward: float | None = None
     """Reward given to a step an operator marks successful while recording (None: keep the env's)."""
 

@@ -18,8 +18,11 @@ env's control rate::
     loop.hold("window blurred")       # keys up, blur, hidden tab, dropped socket
     loop.release()
 
-Only the env the operator drives is flagged ``intervention`` in the trajectory; the
-worker's other envs get the hold action meanwhile and are stored as ordinary steps.
+The takeover is per env: the operator drives one env of the worker, and the
+experiment's own policy (``others``, the action source the gateway uses) keeps driving
+the rest, each step (without a policy, ``policy.kind: external``, they hold). Only the
+operator's env is flagged ``intervention`` in the trajectory; the others' steps carry
+the policy's versions like any policy step.
 
 The hold is enforced here, next to the gateway, not only in the page: with no fresh
 command for ``deadman_s`` the loop sends the hold action. :class:`ActionShaper` turns
@@ -51,6 +54,10 @@ import numpy as np
 from gateway.protocol import RemoteError, RunEnded, Timeout
 
 log = logging.getLogger(__name__)
+
+
+POLICY_WAIT_S = 0.5
+"""How long a step waits for the policy's actions for the envs the operator does not drive."""
 
 
 class CommandError(ValueError):
@@ -240,13 +247,18 @@ class TeleopLoop:
         worker: str,
         settings: TeleopSettings,
         current_obs: Callable[[], dict[str, np.ndarray]] | None = None,
+        others: Any = None,
     ) -> None:
         """``current_obs()``: the worker's newest observation (its tap), which an absolute
-        action space needs before the first action: the current command to hold."""
+        action space needs before the first action (the current command to hold) and
+        ``others`` before its first answer. ``others``: the experiment's action source
+        (:class:`gateway.policies.ActionSource`) acting for the envs the operator does
+        not drive (None: they hold); the loop closes it."""
         from gateway.client import GatewayVectorEnv
 
         self.settings = settings
         self.current_obs = current_obs
+        self.others = others
         # Held requests (e-stop, pause) are not waited out: the loop lets go instead, so
         # that a Resume never hands motion back to a takeover nobody holds any more.
         self.env = GatewayVectorEnv(
@@ -256,6 +268,8 @@ class TeleopLoop:
             self._setup()
         except BaseException:
             self.env.close()
+            if others is not None:
+                others.close()
             raise
         self.state = TeleopState(active=True, worker=worker)
         self._thread = threading.Thread(target=self._run, name="teleop", daemon=True)
@@ -289,6 +303,7 @@ class TeleopLoop:
         self._lock = threading.Lock()
         self._axes = np.zeros(self.action_size)
         self._stop = threading.Event()
+        self._asked = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -324,17 +339,48 @@ class TeleopLoop:
             action = self.shaper.action(self.num_envs, self.state.env, self._axes if alive else None)
         return action.astype(self.dtype)
 
+    def _policy_actions(self, obs: dict[str, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """The experiment's actions and versions for ``obs`` (every env), or None (no
+        source, no observation yet, or no answer within ``POLICY_WAIT_S``: those envs hold)."""
+        if self.others is None or obs is None:
+            return None
+        self._asked += 1
+        key = ("console", self._asked)
+        self.others.submit(key, obs, time.monotonic() + POLICY_WAIT_S)
+        deadline = time.monotonic() + POLICY_WAIT_S
+        while True:
+            for got, actions, versions, error in self.others.results():
+                if got == key and error is None and actions is not None and versions is not None:
+                    return np.asarray(actions), np.asarray(versions, np.int64)
+                if got == key:
+                    log.warning("the policy gave no actions for the envs not driven: %s", error)
+                    return None
+            if self.others.synchronous or time.monotonic() > deadline or self._stop.is_set():
+                return None
+            self.others.tick()
+            self._stop.wait(0.001)
+
     def _run(self) -> None:
         ended = "released"
+        obs: dict[str, np.ndarray] | None = None
         try:
+            if self.others is not None and self.current_obs is not None:
+                try:
+                    obs = self.current_obs()
+                except LookupError:  # no tap: the other envs hold until the first step's answer
+                    obs = None
             next_tick = time.monotonic()
             while not self._stop.is_set():
                 action = self._action(time.monotonic())
                 driven = np.zeros(self.num_envs, bool)
                 driven[self.state.env] = True  # the operator's env: its steps are interventions
                 self.env.intervention = driven
+                theirs = self._policy_actions(obs)
+                if theirs is not None:  # the policy keeps driving the envs the operator does not
+                    action = np.where(driven.reshape(-1, *[1] * (action.ndim - 1)), action, theirs[0])
+                    self.env.policy_version = np.where(driven, 0, theirs[1])
                 try:
-                    obs, *_ = self.env.step(action)
+                    obs, *_ = self.env.step(action.astype(self.dtype))
                 except RemoteError as exc:
                     if exc.code != "unexpected":  # the worker's next observation is not in yet
                         raise
@@ -358,6 +404,8 @@ class TeleopLoop:
             ended = f"the gateway refused: {exc}"
         finally:
             self.env.close()
+            if self.others is not None:
+                self.others.close()
             with self._lock:
                 self.state.active, self.state.ended, self.state.holding = False, ended, ended
             log.info("teleoperation of %s ended: %s", self.state.worker, ended)

@@ -233,11 +233,25 @@ class ClientRouter:
             )
         action = self._check_step(state, msg)
         driven = self._interventions(msg, session.num_envs, state.takeover)
+        versions = self._versions(msg, session.num_envs, state.version)
         state.waiting_seq = msg.seq
-        versions = np.full(session.num_envs, state.version, dtype=np.int64)
         if driven is not None:
             session.takeover_seq, session.takeover_envs = session.awaiting, driven
         self.hub.send_action(session, session.awaiting, np.array(action), versions)
+
+    @staticmethod
+    def _versions(msg: Message, num_envs: int, version: int) -> np.ndarray:
+        """The STEP's ``policy_version`` array (i64 per env: a client acting partly with a
+        policy says whose weights chose each env's action), else its attach-time version."""
+        given = msg.arrays.get("policy_version")
+        if given is None:
+            return np.full(num_envs, version, dtype=np.int64)
+        if given.dtype != np.int64 or given.shape != (num_envs,):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"STEP policy_version must be int64[{num_envs}], got {given.dtype}{list(given.shape)}",
+            )
+        return np.array(given)
 
     @staticmethod
     def _interventions(msg: Message, num_envs: int, takeover: bool) -> np.ndarray | None:

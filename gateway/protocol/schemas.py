@@ -101,7 +101,10 @@ CLIENT_STEP = Schema(
     "client step",
     MsgType.STEP,
     arrays=("action",),
-    doc="gateway.client -> gateway: action [K, ...] for the attached worker's envs.",
+    optional=("policy_version",),
+    doc="gateway.client -> gateway: action [K, ...] for the attached worker's envs; policy_version "
+    "i64[K] when a policy chose some of them (else the version given at HELLO). meta: intervention "
+    "(optional, one bool per env: the envs a person drove).",
 )
 INFERENCE_REQUEST = Schema(
     "inference request",

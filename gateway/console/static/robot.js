@@ -95,12 +95,18 @@ function showRobotState(h, drawn) {
   plotRobot(h);
 }
 
+let plottedAt = 0;
+const PLOT_MS = 200;  // redraw the plots 5 times a second: every frame would cost the camera frames
+
 function plotRobot(h) {
   const s = robotSeries;
   s.t.push(h.t_render_ms / 1000);
   s.joint_pos.push(h.joint_pos || []);
   s.action.push(h.action || []);
   if (s.t.length > PLOT_POINTS) for (const key of Object.keys(s)) s[key].shift();
+  const now = nowMs();
+  if (now - plottedAt < PLOT_MS) return;
+  plottedAt = now;
   for (const name of ["joint_pos", "action"]) {
     const width = Math.max(0, ...s[name].map((v) => v.length));
     if (!width || s.t.length < 2) continue;
