@@ -108,9 +108,8 @@ class Evaluator:
         flags = self.flags(uid, num_envs)
         if not flags.any():
             return
-        for j, env in enumerate(rows):
-            if not flags[env]:
-                continue
+        for j in np.flatnonzero(flags[rows]).tolist():  # evaluation envs only, not the batch
+            env = rows[j]
             acc = self._acc.setdefault((uid, int(env)), [0.0, 0.0, float("inf")])
             acc[0] += float(reward[j])
             acc[1] = float(bool(success[j]))
@@ -171,11 +170,17 @@ class LagTracker:
     def observe(self, versions: np.ndarray, t_action: np.ndarray) -> None:
         if not self.trainer_version:
             return  # no trainer: scripted or frozen policies have no lag to speak of
-        for v, t in zip(versions.tolist(), t_action.tolist()):
-            lag = max(0, self.trainer_version - int(v))
-            self.versions.add(float(lag))
-            superseded = self._made.get(int(v) + 1)
-            self.seconds.add(max(0.0, t - superseded) if superseded is not None and lag else 0.0)
+        # Over the batch with numpy: a 4096-env worker reports 4096 steps a message.
+        v, t = np.asarray(versions, np.int64), np.asarray(t_action, np.float64)
+        lag = np.maximum(0, self.trainer_version - v)
+        self.versions.add_array(lag)
+        seconds = np.zeros(len(v))
+        for version in np.unique(v).tolist():  # a batch acts with one version or a few
+            superseded = self._made.get(int(version) + 1)
+            if superseded is not None:
+                rows = (v == version) & (lag > 0)
+                seconds[rows] = np.maximum(0.0, t[rows] - superseded)
+        self.seconds.add_array(seconds)
 
     def exceeded(self, acting_version: int) -> bool:
         return self.max_lag is not None and self.trainer_version - acting_version > self.max_lag

@@ -195,3 +195,33 @@ def test_a_newer_episode_in_an_env_closes_the_open_one_as_interrupted(tmp_path):
     episodes = {ep.episode_id: ep for ep in EpisodeStore(tmp_path / "episodes", readonly=True).episodes()}
     assert episodes["w1-0-0"].end == "interrupted" and episodes["w1-0-0"].num_steps == 3
     assert episodes["w1-0-1"].num_steps == 2
+
+
+def test_a_histogram_fed_a_batch_at_once_equals_one_fed_value_by_value():
+    from gateway.metrics import Histogram
+
+    values = np.concatenate([[0.0, 0.0, 1e-12, 0.5, 1.0], np.random.default_rng(0).lognormal(3, 2, 5000)])
+    one, batch = Histogram(), Histogram()
+    for v in values.tolist():
+        one.add(v)
+    batch.add_array(values)
+    batch.add_array(np.zeros(0))
+    assert batch.counts == one.counts and batch.n == one.n and batch.max == one.max
+    assert batch.total == pytest.approx(one.total)
+    assert batch.percentile(50) == one.percentile(50) and batch.percentile(99) == one.percentile(99)
+
+
+def test_the_policy_lag_of_a_batch_is_each_steps_lag():
+    from gateway.evaluation import LagTracker
+
+    lag = LagTracker()
+    lag.report(3, made_at=100.0, max_lag=None)
+    lag.report(4, made_at=110.0, max_lag=None)
+    lag.report(5, made_at=120.0, max_lag=None)
+    versions = np.array([5, 4, 4, 3, 5, 2])
+    t_action = np.array([125.0, 115.0, 130.0, 105.0, 126.0, 101.0])
+    lag.observe(versions, t_action)
+    # Versions behind: 0 1 1 2 0 3. Seconds acted after the next version was made:
+    # 0 (current), 115 < 120 -> 0, 130 - 120, 105 < 110 -> 0, 0 (current), 101 - 100.
+    assert lag.versions.n == 6 and lag.versions.total == 7 and lag.versions.max == 3
+    assert lag.seconds.n == 6 and lag.seconds.total == pytest.approx(11.0) and lag.seconds.max == 10.0
