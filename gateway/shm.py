@@ -184,6 +184,36 @@ class ShmWriter:
         mm = _map(path, slots * slot_bytes, create=True)
         return cls(_Segment(name, path, mm, slots, slot_bytes))
 
+    @classmethod
+    def for_worker(
+        cls, mode: str, address: str, observation: Mapping[str, Any], num_envs: int, info_width: int
+    ) -> ShmWriter | None:
+        """The ring a worker offers its gateway at ``address`` (``gateway.shared_memory`` =
+        ``mode``), or None: not wanted, batches too small to gain, or no room in /dev/shm."""
+        if not wanted(mode, address):
+            return None
+        size = batch_bytes(observation, num_envs, info_width)
+        if size < MIN_BYTES:
+            return None  # small batches: frames cost less than the copies they would save
+        sweep_stale()
+        try:
+            return cls.create(slot_bytes_for(size))
+        except OSError as exc:
+            log.warning("no shared-memory ring (%s); sending frames", exc)
+            return None
+
+    def answered(self, answer: Any) -> bool:
+        """WELCOME's ``meta["shm"]``: True when the gateway mapped the ring; otherwise the
+        ring is closed (its name removed) and the worker sends frames."""
+        if isinstance(answer, dict) and answer.get("ok"):
+            self.accepted()
+            log.info("large arrays go through shared memory %s", self.seg.name)
+            return True
+        reason = answer.get("reason") if isinstance(answer, dict) else "the gateway does not map segments"
+        log.info("gateway declined shared memory (%s); sending frames", reason)
+        self.close()
+        return False
+
     def offer(self) -> dict[str, Any]:
         """What HELLO carries in ``meta["shm"]``."""
         s = self.seg

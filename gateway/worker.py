@@ -186,32 +186,15 @@ class EnvWorker:
         """A fresh ring for this connection attempt (the last one's name removed), if wanted."""
         if self.shm is not None:
             self.shm.close()
-            self.shm = None
-        if not shm.wanted(self.shared_memory, self.address):
-            return None
-        spec = self.backend.spec
-        size = shm.batch_bytes(spec.observation, self.backend.num_envs, steps.WIDTH)
-        if size < shm.MIN_BYTES:
-            return None  # small batches: frames cost less than the copies they would save
-        shm.sweep_stale()
-        try:
-            self.shm = shm.ShmWriter.create(shm.slot_bytes_for(size))
-        except OSError as exc:
-            log.warning("no shared-memory ring (%s); sending frames", exc)
-            return None
-        return self.shm.offer()
+        spec, n = self.backend.spec, self.backend.num_envs
+        self.shm = shm.ShmWriter.for_worker(
+            self.shared_memory, self.address, spec.observation, n, steps.WIDTH
+        )
+        return self.shm.offer() if self.shm is not None else None
 
     def _ring_answered(self, answer: Any) -> None:
-        if self.shm is None:
-            return
-        if isinstance(answer, dict) and answer.get("ok"):
-            self.shm.accepted()
-            log.info("large arrays go through shared memory %s", self.shm.seg.name)
-            return
-        reason = answer.get("reason") if isinstance(answer, dict) else "the gateway does not map segments"
-        log.info("gateway declined shared memory (%s); sending frames", reason)
-        self.shm.close()
-        self.shm = None
+        if self.shm is not None and not self.shm.answered(answer):
+            self.shm = None
 
     def episode_id(self, env: int) -> str:
         return episode_id(self.uid, env, int(self._episode[env]))
