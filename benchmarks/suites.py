@@ -23,6 +23,7 @@ SUITES: dict[str, str] = {
     "replay": "benchmarks.replay:run",
     "trainer": "benchmarks.trainer:run",
     "learn": "benchmarks.learn:run",
+    "ppo": "benchmarks.ppo:run",
     "mjlab": "benchmarks.mjlab:run",
     "batched": "benchmarks.batched:run",
     "console": "benchmarks.console:run",
