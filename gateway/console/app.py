@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import BackgroundTasks, FastAPI, Request, WebSocket, WebSocketDisconnect
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
@@ -94,6 +94,10 @@ def create_app(console: ConsoleApp) -> FastAPI:
     @app.get("/")
     def index() -> FileResponse:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
+
+    @app.get("/favicon.ico")
+    def favicon() -> Response:
+        return Response(status_code=204)  # no icon: answered, so the browser logs no error
 
     @app.get("/api/health")
     def health() -> dict[str, Any]:

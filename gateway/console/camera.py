@@ -31,12 +31,12 @@ import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import zmq
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
-from starlette.concurrency import run_in_threadpool
 
 from gateway.tap import TapFrame, TapReader
 
@@ -109,6 +109,8 @@ class FrameSource:
         self.frames = 0
         self.wanted = 0
         """Viewers and recordings that need frames; the taps publish only while it is > 0."""
+        self.encoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="console-jpeg")
+        """JPEG encoding, apart from the web server's thread pool (the e-stop's path)."""
         self._fresh = threading.Condition(self._lock)
 
     def want(self, delta: int) -> None:
@@ -198,6 +200,7 @@ class FrameSource:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
+        self.encoder.shutdown(wait=False, cancel_futures=True)
 
 
 def pack_frame(header: dict[str, Any], jpeg: bytes | None) -> bytes:
@@ -268,7 +271,10 @@ class Viewer:
                 )
                 self.target = None
                 continue
-            jpeg = await run_in_threadpool(self.source.jpeg, frame, env)
+            # On the frames' own threads: encoding never takes a thread the e-stop's POST needs.
+            jpeg = await asyncio.get_running_loop().run_in_executor(
+                self.source.encoder, self.source.jpeg, frame, env
+            )
             header = frame_header(frame, env)
             header["t_sent_ms"] = time.time() * 1000.0
             header["image"] = jpeg is not None

@@ -332,12 +332,14 @@ class TeleopLoop:
         with self._lock:
             return TeleopState(**vars(self.state))
 
-    def _action(self, now: float) -> np.ndarray:
+    def _action(self, now: float) -> tuple[np.ndarray, int, str | None]:
+        """Every env's action, the env the operator drives and why it holds (None: it
+        does not), read together: a command may switch envs at any moment."""
         with self._lock:
             alive = self.deadman.alive(now)
-            self.state.holding = None if alive else self.deadman.reason
-            action = self.shaper.action(self.num_envs, self.state.env, self._axes if alive else None)
-        return action.astype(self.dtype)
+            env = self.state.env
+            action = self.shaper.action(self.num_envs, env, self._axes if alive else None)
+        return action.astype(self.dtype), env, None if alive else self.deadman.reason
 
     def _policy_actions(self, obs: dict[str, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray] | None:
         """The experiment's actions and versions for ``obs`` (every env), or None (no
@@ -371,9 +373,9 @@ class TeleopLoop:
                     obs = None
             next_tick = time.monotonic()
             while not self._stop.is_set():
-                action = self._action(time.monotonic())
+                action, env, holding = self._action(time.monotonic())
                 driven = np.zeros(self.num_envs, bool)
-                driven[self.state.env] = True  # the operator's env: its steps are interventions
+                driven[env] = True  # the operator's env: its steps are interventions
                 self.env.intervention = driven
                 theirs = self._policy_actions(obs)
                 if theirs is not None:  # the policy keeps driving the envs the operator does not
@@ -386,12 +388,13 @@ class TeleopLoop:
                         raise
                     self._stop.wait(self.dt / 4)
                     continue
-                with self._lock:
+                with self._lock:  # what the page sees: the step just taken, all of it
                     self.state.steps += 1
-                    self.state.action = [round(float(a), 4) for a in action[self.state.env].ravel()]
+                    self.state.holding = holding
+                    self.state.action = [round(float(a), 4) for a in action[env].ravel()]
                     joints = obs.get("joint_pos")
                     if joints is not None:
-                        self.state.joint_pos = [round(float(j), 4) for j in joints[self.state.env]]
+                        self.state.joint_pos = [round(float(j), 4) for j in joints[env]]
                 next_tick += self.dt
                 self._stop.wait(max(0.0, next_tick - time.monotonic()))
                 next_tick = max(next_tick, time.monotonic() - self.dt)
