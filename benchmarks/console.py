@@ -284,6 +284,7 @@ def run(quick: bool, repeats: int) -> list[Record]:
                         browser.close()
             finally:
                 run_.control.close()
+                procs.stop("up", timeout_s=30.0)  # a graceful stop drains the run: give it time
     spec = {
         "console.frames_per_s.v1": (
             "frames/s",
