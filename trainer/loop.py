@@ -414,7 +414,11 @@ class Trainer:
         Publication waits for the untrained policy's evaluation before training starts:
         training first would leave the next round acting with a version whose parameters
         the trainer no longer holds."""
-        while self.publication_held():
+        while True:  # both collectives, in the same order on every rank
+            if self.should_stop():
+                return  # a stop (SIGTERM) does not wait for the hold to end
+            if not self.publication_held():
+                break
             if self.world.is_main:
                 self.poll_gateway()
             time.sleep(0.2)
