@@ -265,7 +265,12 @@ def test_viewer_cannot_take_over_or_resume(console_page: Any, run: Run, tmp_path
     page.get_by_role("alert").filter(has_text="viewers cannot take over").wait_for(timeout=time_left() * 1000)
     assert not run.worker()["client"]
     assert page.get_by_role("button", name="Resume").is_disabled()
-    assert post(run, "/api/resume", cookie=session_cookie(run, VIEWER), origin=run.url)[0] == 403
+    viewer = session_cookie(run, VIEWER)
+    assert post(run, "/api/resume", cookie=viewer, origin=run.url)[0] == 403
+    for path in ("/api/record", "/api/label"):  # nor record or label demonstrations
+        status, body = post(run, path, cookie=viewer, origin=run.url)
+        assert status == 403 and "only an operator" in body["error"]
+    assert page.get_by_role("button", name="Start recording").is_disabled()
     page.screenshot(path=str(tmp_path / "viewer.png"))
 
 
