@@ -508,3 +508,40 @@ def test_record_and_label_a_demonstration_into_the_demos_table_and_an_export(
     messages, _ = read_mcap(write_mcap(demos, tmp_path / "demos.mcap")["path"])
     (info,) = [json.loads(m[4].data) for m in messages if m[0].endswith("/episode")]
     assert (info["label"], info["note"], info["source"]) == ("success", "reached the target", "demos")
+
+
+@pytest.mark.integration
+def test_bad_recording_requests_get_an_error_the_page_can_show(run: Run) -> None:
+    cookie = session_cookie(run, OPERATOR)
+    uid = run.worker()["uid"]
+
+    def send(path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+        headers = {"Content-Type": "application/json", "Cookie": cookie, "Origin": run.url}
+        req = urllib.request.Request(run.url + path, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10.0) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    cases = [
+        ("/api/record", b"not json", "needs a JSON body"),
+        ("/api/record", b"[1, 2]", "must be a JSON object"),
+        ("/api/record", json.dumps({"action": "dance", "worker": uid}).encode(), "action must be"),
+        ("/api/record", json.dumps({"action": "start", "worker": "nobody"}).encode(), "'nobody'"),
+        ("/api/record", json.dumps({"action": "start", "worker": uid, "env": 99}).encode(), "envs 0..1"),
+        ("/api/record", json.dumps({"action": "start", "worker": uid, "env": -1}).encode(), "non-negative"),
+        ("/api/record", json.dumps({"action": "stop", "worker": uid}).encode(), "not recording"),
+        ("/api/label", json.dumps({"label": "success", "worker": uid}).encode(), "start recording first"),
+    ]
+    for path, body, fragment in cases:
+        status, reply = send(path, body)
+        assert status == 409 and fragment in reply["error"], (body, reply)
+    assert send("/api/record", json.dumps({"action": "start", "worker": uid}).encode())[0] == 200
+    try:
+        status, reply = send("/api/label", json.dumps({"label": "great", "worker": uid}).encode())
+        assert status == 409 and "success or failure" in reply["error"]
+    finally:
+        status, reply = send("/api/record", json.dumps({"action": "rerecord", "worker": uid}).encode())
+        assert status == 200 and reply["discarded"]
+        assert send("/api/record", json.dumps({"action": "stop"}).encode())[0] in (200, 409)
