@@ -36,6 +36,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from benchmarks.collect import SupervisedRun
 from benchmarks.procs import available_cpus, describe_cpus
 from benchmarks.records import Record
 
@@ -146,75 +147,29 @@ class RawRun:
         self.env.close()
 
 
-class GatewayRun:
+class GatewayRun(SupervisedRun):
     """``loopgate up``'s processes for one torch reach worker, paused between windows."""
 
     def __init__(self, num_envs: int, run_dir: Path) -> None:
-        from gateway.supervisor import ControlClient, Supervisor, prepare_run
-
-        cfg = _config(num_envs)
-        run, services, _ = prepare_run(cfg, run_dir, "INFO")
-        self.num_envs = num_envs
-        self.supervisor = Supervisor(cfg, run, services)
-        self.control = ControlClient(run.endpoints["gateway"]["control"])
-        self.note = (
+        note = (
             f"1 worker x {num_envs} envs (torch_reach), gateway recording every step, "
             f"1 inference server (torch, 1 thread, MLP {list(HIDDEN)})"
         )
+        super().__init__(
+            _config(num_envs), run_dir, note=note, start_timeout_s=START_TIMEOUT_S, request_timeout_s=10.0
+        )
+        self.num_envs = num_envs
         self.bytes: dict[str, list[float]] = {"shm": [], "frames": []}
 
-    def request(self, cmd: str) -> dict[str, Any]:
-        return self.control.request(cmd, timeout_s=10.0)
-
-    def _check(self) -> None:
-        self.supervisor.supervise()
-        if self.supervisor.failed:
-            raise RuntimeError(f"loopgate services failed: {self.supervisor.failed}")
-
-    def start(self) -> None:
-        from gateway.protocol import RemoteError, Timeout
-
-        def ready(group: list[Any]) -> bool:
-            if any(p.service.name == "gateway" for p in group):
-                try:
-                    self.control.request("status", timeout_s=0.5)
-                except (Timeout, RemoteError):
-                    return False
-            return True
-
-        self.supervisor.start_all(ready)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        log.info("waiting up to %.0f s for the torch reach worker to collect", START_TIMEOUT_S)
-        while True:
-            self._check()
-            s = self.request("status")
-            if s["workers"] and all(w["env_steps"] > 0 for w in s["workers"]):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the worker did not collect within {START_TIMEOUT_S:.0f} s: {s}")
-            time.sleep(0.1)
-        self.request("pause")
-
     def measure(self, warmup_s: float, window_s: float) -> float:
-        self.request("resume")
-        try:
-            time.sleep(warmup_s)
-            t0, s0 = time.perf_counter(), self.request("status")
-            time.sleep(window_s)
-            t1, s1 = time.perf_counter(), self.request("status")
-        finally:
-            self.request("pause")
-        self._check()
+        """Steps/s over the window; the bytes each batch moved through shared memory and frames."""
+        s0, s1, seconds = self.window(warmup_s, window_s)
         steps = s1["env_steps"] - s0["env_steps"]
         batches = max(steps / self.num_envs, 1.0)
         (w0,), (w1,) = s0["workers"], s1["workers"]
         self.bytes["shm"].append((w1["shm_bytes"] - w0["shm_bytes"]) / batches)
         self.bytes["frames"].append((w1["frame_bytes"] - w0["frame_bytes"]) / batches)
-        return float(steps) / (t1 - t0)
-
-    def close(self) -> None:
-        self.control.close()
-        self.supervisor.stop(timeout_s=10.0)
+        return float(steps) / seconds
 
 
 def run(quick: bool, repeats: int) -> list[Record]:

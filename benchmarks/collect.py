@@ -77,45 +77,36 @@ def split(num_envs: int, cpus: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------- loopgate
 
 
-class CollectRun:
-    """The processes of ``loopgate up`` for ``num_envs`` reach envs, paused between windows.
+class SupervisedRun:
+    """The processes ``loopgate up`` starts for ``cfg``, paused between measured windows.
 
+    Planned and supervised by the same code as ``loopgate up``
+    (:func:`gateway.supervisor.prepare_run`, :class:`~gateway.supervisor.Supervisor`).
     Starting them takes seconds, so one run serves every repeat: between measured
     windows the gateway is paused (its ``pause`` command), its workers then wait idle
     for an action, and the baselines are measured without them competing for the CPUs.
     """
 
-    def __init__(self, num_envs: int, run_dir: Path, *, workers: int | None = None) -> None:
-        """``num_envs`` split over ``workers`` (default: one worker per CPU, see :func:`split`)."""
-        from gateway.config import from_dict
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: Path,
+        *,
+        note: str,
+        start_timeout_s: float = START_TIMEOUT_S,
+        request_timeout_s: float = 5.0,
+    ) -> None:
         from gateway.supervisor import ControlClient, Supervisor, prepare_run
 
-        if workers is None:
-            self.workers, self.per_worker = split(num_envs, len(available_cpus()))
-        elif workers < 1 or num_envs % workers:
-            raise ValueError(f"{num_envs} envs do not split evenly over {workers} worker(s)")
-        else:
-            self.workers, self.per_worker = workers, num_envs // workers
-        cfg = from_dict(
-            {
-                "env": {
-                    "backend": "mujoco_reach",
-                    "workers": self.workers,
-                    "num_envs": self.per_worker,
-                    "seed": 0,
-                },
-                "policy": {"kind": POLICY},
-                "gateway": {"host": "127.0.0.1", "transport": "tcp"},
-            },
-            name=f"bench-collect-w{self.workers}e{self.per_worker}",
-        )
         run, services, _ = prepare_run(cfg, run_dir, "INFO")
         self.supervisor = Supervisor(cfg, run, services)
         self.control = ControlClient(run.endpoints["gateway"]["control"])
-        self.note = f"{self.workers} worker(s) x {self.per_worker} env(s), policy {POLICY} in the gateway"
+        self.workers = int(cfg.env.workers)
+        self.note = note
+        self.start_timeout_s, self.request_timeout_s = start_timeout_s, request_timeout_s
 
     def request(self, cmd: str) -> dict[str, Any]:
-        return self.control.request(cmd, timeout_s=5.0)
+        return self.control.request(cmd, timeout_s=self.request_timeout_s)
 
     def _check(self) -> None:
         self.supervisor.supervise()
@@ -136,33 +127,71 @@ class CollectRun:
 
         self.supervisor.start_all(ready)
         self._check()
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self.start_timeout_s
+        log.info("waiting up to %.0f s for %d worker(s) to collect", self.start_timeout_s, self.workers)
         while True:
             self._check()
             s = self.request("status")
             if len(s["workers"]) == self.workers and all(w["env_steps"] > 0 for w in s["workers"]):
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"workers did not start collecting within {START_TIMEOUT_S:.0f} s: {s}")
+                raise RuntimeError(
+                    f"workers did not start collecting within {self.start_timeout_s:.0f} s: {s}"
+                )
             time.sleep(0.05)
         self.request("pause")
 
-    def measure(self, warmup_s: float, window_s: float) -> float:
-        """Recorded steps/s over ``window_s`` after ``warmup_s`` of collecting."""
+    def window(self, warmup_s: float, window_s: float) -> tuple[dict[str, Any], dict[str, Any], float]:
+        """Collect for ``warmup_s + window_s``: the gateway's status at the window's ends, and its length."""
         self.request("resume")
         try:
             time.sleep(warmup_s)
-            t0, s0 = time.perf_counter(), self.request("status")["env_steps"]
+            t0, s0 = time.perf_counter(), self.request("status")
             time.sleep(window_s)
-            t1, s1 = time.perf_counter(), self.request("status")["env_steps"]
+            t1, s1 = time.perf_counter(), self.request("status")
         finally:
             self.request("pause")
         self._check()
-        return float(s1 - s0) / (t1 - t0)
+        return s0, s1, t1 - t0
+
+    def measure(self, warmup_s: float, window_s: float) -> float:
+        """Recorded steps/s over ``window_s`` after ``warmup_s`` of collecting."""
+        s0, s1, seconds = self.window(warmup_s, window_s)
+        return float(s1["env_steps"] - s0["env_steps"]) / seconds
 
     def close(self) -> None:
         self.control.close()
-        self.supervisor.stop(timeout_s=5.0)
+        self.supervisor.stop(timeout_s=10.0)
+
+
+class CollectRun(SupervisedRun):
+    """``num_envs`` reach envs (``mujoco_reach``) with the ``reach_pd`` policy in the gateway."""
+
+    def __init__(self, num_envs: int, run_dir: Path, *, workers: int | None = None) -> None:
+        """``num_envs`` split over ``workers`` (default: one worker per CPU, see :func:`split`)."""
+        from gateway.config import from_dict
+
+        if workers is None:
+            workers, self.per_worker = split(num_envs, len(available_cpus()))
+        elif workers < 1 or num_envs % workers:
+            raise ValueError(f"{num_envs} envs do not split evenly over {workers} worker(s)")
+        else:
+            self.per_worker = num_envs // workers
+        cfg = from_dict(
+            {
+                "env": {
+                    "backend": "mujoco_reach",
+                    "workers": workers,
+                    "num_envs": self.per_worker,
+                    "seed": 0,
+                },
+                "policy": {"kind": POLICY},
+                "gateway": {"host": "127.0.0.1", "transport": "tcp"},
+            },
+            name=f"bench-collect-w{workers}e{self.per_worker}",
+        )
+        note = f"{workers} worker(s) x {self.per_worker} env(s), policy {POLICY} in the gateway"
+        super().__init__(cfg, run_dir, note=note)
 
 
 # --------------------------------------------------------------------- baselines

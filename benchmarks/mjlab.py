@@ -29,11 +29,11 @@ import os
 import select
 import subprocess
 import tempfile
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from benchmarks.collect import SupervisedRun
 from benchmarks.procs import available_cpus, describe_cpus
 from benchmarks.records import Record
 
@@ -113,12 +113,11 @@ class RawRun:
             self.proc.wait(timeout=5)
 
 
-class GatewayRun:
+class GatewayRun(SupervisedRun):
     """``loopgate up``'s processes for one mjlab worker of ``num_envs`` envs, paused between windows."""
 
     def __init__(self, num_envs: int, run_dir: Path) -> None:
         from gateway.config import from_dict
-        from gateway.supervisor import ControlClient, Supervisor, prepare_run
 
         cfg = from_dict(
             {
@@ -137,59 +136,12 @@ class GatewayRun:
         )
         self._saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "WARP_CACHE_PATH")}
         os.environ.update({k: _mjlab_env()[k] for k in self._saved})  # the worker inherits them
-        run, services, _ = prepare_run(cfg, run_dir, "INFO")
-        self.supervisor = Supervisor(cfg, run, services)
-        self.control = ControlClient(run.endpoints["gateway"]["control"])
-        self.note = f"1 worker x {num_envs} envs in the mjlab venv, random policy in the gateway"
-
-    def request(self, cmd: str) -> dict[str, Any]:
-        return self.control.request(cmd, timeout_s=5.0)
-
-    def _check(self) -> None:
-        self.supervisor.supervise()
-        if self.supervisor.failed:
-            raise RuntimeError(f"loopgate services failed: {self.supervisor.failed}")
-
-    def start(self) -> None:
-        from gateway.protocol import RemoteError, Timeout
-
-        def ready(group: list[Any]) -> bool:
-            if any(p.service.name == "gateway" for p in group):
-                try:
-                    self.control.request("status", timeout_s=0.5)
-                except (Timeout, RemoteError):
-                    return False
-            return True
-
-        self.supervisor.start_all(ready)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        log.info("waiting up to %.0f s for the mjlab worker to collect", START_TIMEOUT_S)
-        while True:
-            self._check()
-            s = self.request("status")
-            if s["workers"] and all(w["env_steps"] > 0 for w in s["workers"]):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the mjlab worker did not collect within {START_TIMEOUT_S:.0f} s: {s}")
-            time.sleep(0.2)
-        self.request("pause")
-
-    def measure(self, warmup_s: float, window_s: float) -> float:
-        self.request("resume")
-        try:
-            time.sleep(warmup_s)
-            t0, s0 = time.perf_counter(), self.request("status")["env_steps"]
-            time.sleep(window_s)
-            t1, s1 = time.perf_counter(), self.request("status")["env_steps"]
-        finally:
-            self.request("pause")
-        self._check()
-        return float(s1 - s0) / (t1 - t0)
+        note = f"1 worker x {num_envs} envs in the mjlab venv, random policy in the gateway"
+        super().__init__(cfg, run_dir, note=note, start_timeout_s=START_TIMEOUT_S)
 
     def close(self) -> None:
         try:
-            self.control.close()
-            self.supervisor.stop(timeout_s=10.0)
+            super().close()
         finally:
             for key, value in self._saved.items():
                 if value is None:
