@@ -89,6 +89,29 @@ log = logging.getLogger(__name__)
 _BOOL, _F32 = np.dtype(np.bool_), np.dtype(np.float32)
 
 
+def check_options(
+    *,
+    simulator: str,
+    task: str,
+    example: str,
+    device: str,
+    groups: Mapping[str, str],
+    max_episode_steps: int | None,
+    clip_actions: float | None,
+) -> None:
+    """The option checks every adapter's config shares (``ValueError`` naming the option)."""
+    if not task:
+        raise ValueError(f"env.options.task must name an {simulator} task, e.g. {example!r}")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"env.options.device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if not groups or not all(isinstance(k, str) and isinstance(v, str) for k, v in groups.items()):
+        raise ValueError(f"env.options.groups must map group names to keys, got {groups!r}")
+    if max_episode_steps is not None and max_episode_steps < 1:
+        raise ValueError(f"env.options.max_episode_steps must be >= 1, got {max_episode_steps}")
+    if clip_actions is not None and not clip_actions > 0:
+        raise ValueError(f"env.options.clip_actions must be > 0, got {clip_actions}")
+
+
 def _numpy_dtype(tensor: Any) -> np.dtype[Any]:
     """The numpy dtype of a torch tensor (``torch.float32`` -> ``float32``)."""
     return np.dtype(str(tensor.dtype).removeprefix("torch."))

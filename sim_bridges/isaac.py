@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.registry import INSTALL_HINTS
-from sim_bridges.batched import TorchEnvBackend
+from sim_bridges.batched import TorchEnvBackend, check_options
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +65,15 @@ class IsaacLabConfig:
     """Bound actions to ``[-clip, clip]`` (Isaac Lab's action spaces are unbounded)."""
 
     def __post_init__(self) -> None:
-        if not self.task:
-            raise ValueError("env.options.task must name an Isaac Lab task, e.g. 'Isaac-Reach-Franka-v0'")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"env.options.device must be 'cuda[:N]' or 'cpu', got {self.device!r}")
-        if not self.groups or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in self.groups.items()
-        ):
-            raise ValueError(f"env.options.groups must map group names to keys, got {self.groups!r}")
-        if self.max_episode_steps is not None and self.max_episode_steps < 1:
-            raise ValueError(f"env.options.max_episode_steps must be >= 1, got {self.max_episode_steps}")
-        if self.clip_actions is not None and not self.clip_actions > 0:
-            raise ValueError(f"env.options.clip_actions must be > 0, got {self.clip_actions}")
+        check_options(
+            simulator="Isaac Lab",
+            task=self.task,
+            example="Isaac-Reach-Franka-v0",
+            device=self.device,
+            groups=self.groups,
+            max_episode_steps=self.max_episode_steps,
+            clip_actions=self.clip_actions,
+        )
 
 
 def launch_app(config: IsaacLabConfig) -> Any:

@@ -23,7 +23,7 @@ import importlib
 import os
 from dataclasses import dataclass, field
 
-from sim_bridges.batched import TorchEnvBackend
+from sim_bridges.batched import TorchEnvBackend, check_options
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,18 +45,15 @@ class MjlabConfig:
     scripted policies need bounds)."""
 
     def __post_init__(self) -> None:
-        if not self.task:
-            raise ValueError("env.options.task must name an mjlab task, e.g. 'Mjlab-Cartpole-Balance'")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"env.options.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if not self.groups or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in self.groups.items()
-        ):
-            raise ValueError(f"env.options.groups must map group names to keys, got {self.groups!r}")
-        if self.clip_actions is not None and not self.clip_actions > 0:
-            raise ValueError(f"env.options.clip_actions must be > 0, got {self.clip_actions}")
-        if self.max_episode_steps is not None and self.max_episode_steps < 1:
-            raise ValueError(f"env.options.max_episode_steps must be >= 1, got {self.max_episode_steps}")
+        check_options(
+            simulator="mjlab",
+            task=self.task,
+            example="Mjlab-Cartpole-Balance",
+            device=self.device,
+            groups=self.groups,
+            max_episode_steps=self.max_episode_steps,
+            clip_actions=self.clip_actions,
+        )
 
 
 class MjlabBackend(TorchEnvBackend):

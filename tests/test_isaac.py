@@ -469,7 +469,7 @@ def test_missing_isaac_config_error_says_what_it_needs():
 
 
 def test_isaac_options_are_validated_with_the_field_named():
-    with pytest.raises(ConfigError, match=r"env.options.device must be 'cuda\[:N\]' or 'cpu', got 'tpu'"):
+    with pytest.raises(ConfigError, match=r"env.options.device must be 'cpu' or 'cuda\[:N\]', got 'tpu'"):
         experiment_spec("isaac", {"device": "tpu"})
     with pytest.raises(ConfigError, match=r"env.options: unknown key\(s\) num_env"):
         experiment_spec("isaac", {"num_env": 3})
