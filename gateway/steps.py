@@ -20,6 +20,9 @@ import numpy as np
 COLUMNS = ("episode", "step", "t_capture", "has_prev", "reward", "terminated", "truncated", "success")
 """Column order of ``step_info``."""
 WIDTH = len(COLUMNS)
+ENV_LOG_MAX = 64
+"""At most this many simulator statistics (``meta["env_log"]``: a backend's
+``info["log"]``, Isaac Lab's ``extras["log"]``) travel with one observation."""
 _COL = {name: i for i, name in enumerate(COLUMNS)}
 
 

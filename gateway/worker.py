@@ -16,7 +16,8 @@ only while someone listens, never blocking the loop).
 
 Message layout (``K`` = num_envs)::
 
-    OBSERVATION  meta: uid, rtt_us, reset (bool), hops_us {action_to_worker, env_step}
+    OBSERVATION  meta: uid, rtt_us, reset (bool), hops_us {action_to_worker, env_step},
+                 env_log {name: float} (the backend's info["log"], on steps that have one)
                  (the previous ACTION's way here and the step it made, in µs)
                  obs/<key> [K, ...], step_info f64[K, 8] (gateway.steps.COLUMNS:
                  episode and step of these observations, t_capture, has_prev, and
@@ -281,6 +282,14 @@ class EnvWorker:
         if "t_action" in action_msg.meta:
             hops["action_to_worker"] = round((received - float(action_msg.meta["t_action"])) * 1e6, 1)
         msg.meta["hops_us"] = hops
+        env_log = (info or {}).get("log")
+        if isinstance(env_log, dict) and env_log:
+            # A simulator's episode statistics (Isaac Lab's extras["log"]), on steps with a reset.
+            msg.meta["env_log"] = {
+                str(k): float(v)
+                for k, v in list(env_log.items())[: steps.ENV_LOG_MAX]
+                if isinstance(v, (int, float))
+            }
         return msg
 
     # ---------------------------------------------------------------------- loop

@@ -23,6 +23,7 @@ import zmq
 
 from gateway import shm, steps
 from gateway.factory import experiment_spec
+from gateway.metrics import read_metrics
 from gateway.protocol import Message, MsgType, recv, send
 from gateway.store import EpisodeStore
 from gateway.worker import EnvWorker
@@ -187,3 +188,30 @@ def test_a_wrong_batch_reaching_the_gateway_is_refused_by_name_and_the_worker_go
     assert run.drain()["drained"]
     count = EpisodeStore(run.run_dir / "episodes", readonly=True).count()
     assert count.stored_steps == acked and count.duplicate_steps == 0
+
+
+def test_a_simulators_episode_statistics_reach_the_gateways_status_and_metrics(gateway_run):
+    """Isaac Lab's ``extras["log"]`` (here the torch reach's): forwarded by the worker on
+    reset steps, kept by the gateway as ``env_log``, and written to ``metrics.jsonl``."""
+    run = gateway_run({**CONFIG, "env": {**CONFIG["env"], "options": {"episode_length": 5}}})
+    env = TorchReachEnv(TorchReachConfig(episode_length=5), num_envs=N, seed=0)
+    backend = TorchEnvBackend(env, name="torch_reach", groups={"policy": "policy"})
+    worker = EnvWorker(backend, run.endpoints["workers"], heartbeat_s=0.5, gateway_timeout_s=3.0)
+    thread = threading.Thread(target=worker.run, kwargs={"max_steps": N * 40}, daemon=True)
+    thread.start()
+    status = wait_for(
+        lambda: "Metrics/success_rate" in (s := run.status())["env_log"] and s,
+        timeout=time_left(),
+        what="the gateway's status to show the simulator's statistics",
+    )
+    thread.join(timeout=time_left())
+    assert not thread.is_alive()
+    log = status["env_log"]
+    assert set(log) >= {"Episode_Reward/distance", "Metrics/success_rate", "Episode_Termination/time_out"}
+    assert 0.0 <= log["Metrics/success_rate"] <= 1.0 and log["Episode_Reward/distance"] <= 0.0
+    records = wait_for(
+        lambda: [r for r in read_metrics(run.run_dir / "metrics.jsonl") if r.get("env_log")],
+        timeout=time_left(),
+        what="a metrics record with env_log",
+    )
+    assert "Metrics/success_rate" in records[-1]["env_log"]

@@ -421,6 +421,7 @@ class Gateway:
             "rtt_p99_us": round(self.rtt.percentile(99), 1),
             "rtt": self.rtt.to_dict(),
             "hops_us": self.timing.hops.summary(),
+            "env_log": dict(self.timing.env_log),
             "errors": dict(self.errors),
             "paused": self.state.paused,
             "lag_exceeded": self.lag_exceeded,

@@ -3,20 +3,23 @@
 The gateway times the hops it sees (capture to gateway from the observation's capture
 stamp, spool write, policy, its whole turn) and the worker reports the two only it sees
 (the ACTION's way to it, the env step) in its next observation's ``meta["hops_us"]``;
-the sink's acknowledgement latency comes from the recorder. About once a second one
+the sink's acknowledgement latency comes from the recorder. Simulators that keep episode
+statistics (Isaac Lab's ``extras["log"]``) send them in ``meta["env_log"]``; the newest
+value of each is the status's ``env_log``. About once a second one
 step is followed from capture to the next observation and written to ``trace.jsonl``
 (``loopgate report RUN --trace`` turns those into a Chrome/Perfetto trace).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 from gateway.hub.state import WorkerSession
 from gateway.metrics import Histogram, Hops, MetricsWriter
 from gateway.protocol import Message
-from gateway.steps import StepInfo
+from gateway.steps import ENV_LOG_MAX, StepInfo
 
 TRACE_EVERY_S = 1.0
 
@@ -29,12 +32,16 @@ class StepTiming:
         self.hops.histograms["sink_ack"] = sink_ack
         self.trace = trace
         self._traced_at = 0.0
+        self.env_log: dict[str, float] = {}
+        """The newest value of each statistic the simulators report (``meta.env_log``:
+        Isaac Lab's ``extras["log"]``), as the status and metrics show them."""
 
     def observation(self, session: WorkerSession, msg: Message, info: StepInfo, t_received: float) -> None:
         """An observation arrived: its way here, what its worker reports of the previous
         action, and the trace of a sampled step (completed now, or started)."""
         if len(info):
             self.hops.add("capture_to_gateway", (t_received - float(info.t_capture[0])) * 1e6)
+        self._env_log(msg.meta.get("env_log"))
         reported = msg.meta.get("hops_us")
         if isinstance(reported, dict):
             for hop in ("action_to_worker", "env_step"):
@@ -55,6 +62,21 @@ class StepTiming:
                 "t_capture": float(info.t_capture[0]),
                 "t_received": t_received,
             }
+
+    def _env_log(self, stats: object) -> None:
+        """Keep a worker's reported statistics; anything not a short name and a finite number is skipped."""
+        if not isinstance(stats, dict):
+            return
+        for name, value in list(stats.items())[:ENV_LOG_MAX]:
+            if (
+                isinstance(name, str)
+                and 0 < len(name) <= 100
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and (name in self.env_log or len(self.env_log) < ENV_LOG_MAX)
+            ):
+                self.env_log[name] = float(value)
 
     def action(self, session: WorkerSession, seq: int) -> None:
         """The ACTION for ``session``'s observation ``seq`` leaves (at ``session.t_action``)."""

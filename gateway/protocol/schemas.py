@@ -77,8 +77,9 @@ WORKER_OBSERVATION = Schema(
     optional=("final_obs/", *PREV),
     doc="env worker -> gateway: obs/<key> [K, ...]; step_info f64[K, 8] (gateway.steps.COLUMNS); "
     "final_obs/<key> [K, ...] when an episode ended; prev/* (the step this message completes: the "
-    "first message after a reconnect). meta: uid, rtt_us, reset, shm (handles of arrays in a "
-    "shared-memory slot: gateway.shm).",
+    "first message after a reconnect). meta: uid, rtt_us, reset, hops_us, env_log (a simulator's "
+    "episode statistics, on steps with a reset), shm (handles of arrays in a shared-memory slot: "
+    "gateway.shm).",
 )
 CLIENT_OBSERVATION = Schema(
     "client observation",
