@@ -143,8 +143,13 @@ def learning_config() -> dict[str, Any]:
                     # One update (512 items) per 4 env steps, and collection held when the
                     # trainer falls behind: the cores go to the updates the budget counts.
                     "samples_per_insert": 128,
-                    "error_buffer": 20000,
-                    "max_pending": 2000,
+                    # Small slack: collection starts seconds before the trainer (Ray
+                    # placement, torch imports), and whatever it stores meanwhile must be
+                    # sampled off before it may go on (and with it the untrained policy's
+                    # evaluation that publication waits for). A 20 000-sample buffer let
+                    # it run 8 800 steps ahead, more than the whole budget samples off.
+                    "error_buffer": 2000,
+                    "max_pending": 256,
                 }
             ],
         },
