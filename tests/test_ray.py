@@ -165,7 +165,7 @@ def learning_config() -> dict[str, Any]:
             "eval_episodes": 48,
             "final_eval_episodes": 48,
             "checkpoint_every": 500,
-            "max_updates": 1500,
+            "max_updates": 2500,
             "target_success_rate": 0.8,
             "options": {"gamma": 0.95, "actor_lr": 0.001, "critic_lr": 0.001, "alpha_lr": 0.001},
         },
@@ -177,8 +177,10 @@ def learning_config() -> dict[str, Any]:
 def test_reach_loop_across_three_nodes_learns_on_an_update_budget(cluster, tmp_path):
     """SAC through the whole loop with every service on the node its placement names: the
     trainer's two ranks in one placement group on the GPU node (FSDP over gloo, rendezvous
-    at rank 0's node), ends far above the untrained policy's evaluation after 1500 updates
-    (its return; reaching within 10 cm reliably takes the main job's 8000)."""
+    at rank 0's node), ends far above the untrained policy's evaluation after 2500 updates
+    (its return; reaching within 10 cm reliably takes the main job's 8000). 1500 updates
+    ended between +2.98 and +5.5 over the untrained return in repeated runs: too close
+    to the +3 bar."""
     run = tmp_path / "run"
     proc = up(cluster, write(tmp_path, learning_config()), run)
     summary = finish(proc, run)
