@@ -11,7 +11,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -58,18 +57,18 @@ def test_autoscaling_slots_are_planned_but_not_started(tmp_path):
 
 
 @pytest.mark.unit
+@pytest.mark.timeout(60)
 def test_a_publication_skips_an_empty_autoscaling_slot_at_once():
-    """No server in the slot: the publication does not wait for it (60 s) and reports the
-    servers that are there."""
+    """No server in the slot: the publication does not wait for it and reports the servers
+    that are there. The publisher's own timeout (an hour) is far past the test's, so a
+    publication that waited for the empty slot fails by pytest-timeout, not a clock."""
     from gateway.services import free_port
     from inference.weights import WeightsPublisher
 
     empty = {"weights": f"tcp://127.0.0.1:{free_port()}", "autoscaled": True}
-    publisher = WeightsPublisher([empty], timeout_s=30.0)
+    publisher = WeightsPublisher([empty], timeout_s=3600.0)
     try:
-        t0 = time.monotonic()
         assert publisher.publish({"w": np.zeros(4, np.float32)}, version=1) == []
-        assert time.monotonic() - t0 < 5.0
     finally:
         publisher.close()
 
