@@ -36,7 +36,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from benchmarks.collect import SupervisedRun
+from benchmarks.collect import SupervisedRun, interleave
 from benchmarks.procs import available_cpus, describe_cpus
 from benchmarks.records import Record
 
@@ -188,12 +188,7 @@ def run(quick: bool, repeats: int) -> list[Record]:
             raw = RawRun(n)
             stack.callback(raw.close)
             runners: dict[str, Any] = {"raw": raw, "gateway": gateway}
-            kinds = list(runners)
-            for rep in range(repeats):
-                shift = rep % len(kinds)
-                for kind in kinds[shift:] + kinds[:shift]:
-                    values[kind].append(runners[kind].measure(warmup_s, window_s))
-                    log.info("batched %s n%d repeat %d: %.0f steps/s", kind, n, rep + 1, values[kind][-1])
+            interleave(runners, values, repeats, warmup_s, window_s, f"batched n{n}")
         raw_name = f"batched.steps_per_s.raw.n{n}"
         records += [
             Record.median_of(

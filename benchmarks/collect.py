@@ -243,6 +243,24 @@ class VectorRun:
         self.envs.close()
 
 
+def interleave(
+    runners: dict[str, Any],
+    values: dict[str, list[float]],
+    repeats: int,
+    warmup_s: float,
+    window_s: float,
+    what: str,
+) -> None:
+    """Measure every runner ``repeats`` times into ``values[kind]``, the order rotating from
+    repeat to repeat so that no set-up always runs first (or last) on the shared CPUs."""
+    kinds = list(runners)
+    for rep in range(repeats):
+        shift = rep % len(kinds)
+        for kind in kinds[shift:] + kinds[:shift]:
+            values[kind].append(runners[kind].measure(warmup_s, window_s))
+            log.info("%s %s repeat %d: %.0f steps/s", what, kind, rep + 1, values[kind][-1])
+
+
 # -------------------------------------------------------------------------- suite
 
 
@@ -263,12 +281,7 @@ def run(quick: bool, repeats: int) -> list[Record]:
             for kind in ("async", "sync"):
                 runners[kind] = VectorRun(kind, n)
                 stack.callback(runners[kind].close)
-            kinds = list(runners)
-            for rep in range(repeats):
-                shift = rep % len(kinds)
-                for kind in kinds[shift:] + kinds[:shift]:
-                    values[kind].append(runners[kind].measure(warmup_s, window_s))
-                    log.info("%s n%d repeat %d: %.0f steps/s", kind, n, rep + 1, values[kind][-1])
+            interleave(runners, values, repeats, warmup_s, window_s, f"n{n}")
             collect_note = gateway.note
         timing = f"median of {repeats} x {window_s:g} s after {warmup_s:g} s warm-up, {placement}"
         a_name, s_name = f"async_vector_env.steps_per_s.n{n}", f"sync_vector_env.steps_per_s.n{n}"

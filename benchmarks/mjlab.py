@@ -33,7 +33,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from benchmarks.collect import SupervisedRun
+from benchmarks.collect import SupervisedRun, interleave
 from benchmarks.procs import available_cpus, describe_cpus
 from benchmarks.records import Record
 
@@ -165,12 +165,7 @@ def run(quick: bool, repeats: int) -> list[Record]:
             stack.callback(gateway.close)
             gateway.start()
             runners: dict[str, Any] = {"raw": raw, "gateway": gateway}
-            kinds = list(runners)
-            for rep in range(repeats):
-                shift = rep % len(kinds)
-                for kind in kinds[shift:] + kinds[:shift]:
-                    values[kind].append(runners[kind].measure(warmup_s, window_s))
-                    log.info("mjlab %s n%d repeat %d: %.0f steps/s", kind, n, rep + 1, values[kind][-1])
+            interleave(runners, values, repeats, warmup_s, window_s, f"mjlab n{n}")
             note = gateway.note
         timing = f"median of {repeats} x {window_s:g} s after {warmup_s:g} s warm-up, {placement}"
         raw_name = f"mjlab.steps_per_s.raw.n{n}"

@@ -25,21 +25,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from benchmarks.console import CHROMIUM_ARGS
 from gateway.console.auth import hash_token
 from tests.conftest import Procs, log_of, time_left, wait_for, write_config
 
 OPERATOR, VIEWER = "operator-token-for-tests", "viewer-token-for-tests"
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--headless",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 @dataclass
