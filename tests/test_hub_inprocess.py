@@ -162,3 +162,61 @@ def test_the_hub_records_a_counter_workers_steps_in_process(hub, tmp_path):
     assert hops["gateway"]["n"] >= hops["policy"]["n"] > 0
     assert count.completed_episodes >= 3 and count.duplicate_steps == 0
     control.close()
+
+
+class SwitchableSink(StoreSink):
+    """The real local store, reporting ``blocked`` while ``refusing`` is set: it stands for
+    a replay service whose rate limiter refuses inserts until a trainer samples."""
+
+    refusing = False
+
+    @property
+    def blocked(self) -> bool:
+        return self.refusing or super().blocked
+
+
+def test_an_evaluation_round_runs_through_backpressure_that_holds_training_collection(tmp_path):
+    """A trainer that samples slowly holds collection through the replay rate limiter;
+    its evaluation rounds (whose steps never reach a table) must not wait on it, or the
+    untrained policy's score arrives only when the update budget is nearly spent."""
+    from gateway.worker import EnvWorker
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    hub = InProcessGateway(tmp_path, ctx)
+    sink = SwitchableSink(EpisodeStore(tmp_path / "blocked-episodes"))
+    hub.gateway.recorder.sink = sink
+    worker = None
+    try:
+        hub.start()
+        backend = make_backend("counter", num_envs=2, seed=0)
+        worker = EnvWorker(backend, hub.gateway.addresses["workers"], uid="held-w", context=ctx)
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        wait_for(lambda: hub.gateway.state.env_steps >= 20, timeout=30, what="collection started")
+        sink.refusing = True
+        wait_for(lambda: hub.gateway.hold_reason() == "backpressure", timeout=10, what="the hold")
+        before = hub.gateway.state.env_steps
+        control = hub.dealer("control")
+        send(control, Message(MsgType.COMMAND, seq=1, meta={"cmd": "evaluate", "episodes": 4}))
+        wait_for(lambda: control.poll(0), timeout=10, what="the evaluation's start")
+        assert recv(control).meta["started"] is True
+        wait_for(
+            lambda: hub.gateway.evaluator.status()["rounds_done"] == 1,
+            timeout=60,
+            what="the evaluation round finished under backpressure",
+        )
+        assert hub.gateway.state.env_steps > before
+        # Once the round is over, the hold applies again.
+        assert hub.gateway.hold_reason() == "backpressure"
+        sink.refusing = False
+        worker.stop_event.set()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        control.close()
+    finally:
+        if worker is not None:
+            worker.stop_event.set()
+        if hub._thread is not None and hub._thread.is_alive():
+            hub.stop()
+        hub.gateway.close()
+        ctx.destroy(linger=0)

@@ -145,9 +145,8 @@ def learning_config() -> dict[str, Any]:
                     "samples_per_insert": 128,
                     # Small slack: collection starts seconds before the trainer (Ray
                     # placement, torch imports), and whatever it stores meanwhile must be
-                    # sampled off before it may go on (and with it the untrained policy's
-                    # evaluation that publication waits for). A 20 000-sample buffer let
-                    # it run 8 800 steps ahead, more than the whole budget samples off.
+                    # sampled off before it may go on. A 20 000-sample buffer let it run
+                    # 8 800 steps ahead, more than the whole budget samples off.
                     "error_buffer": 2000,
                     "max_pending": 256,
                 }
@@ -196,6 +195,7 @@ def test_reach_loop_across_three_nodes_learns_on_an_update_budget(cluster, tmp_p
         for r in read_metrics(run / "metrics.jsonl")
         if r.get("service") == "trainer" and "eval" in r
     ]
+    assert rounds, "the trainer recorded no evaluation round"
     untrained = rounds[0]
     assert untrained["policy_version"] <= 1  # evaluated before the first update
     # The return (minus the distance to the target, summed over an episode) is the steady

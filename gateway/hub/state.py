@@ -71,7 +71,10 @@ class Collection:
         """Why no step may be taken now, or None: ``estop``, ``draining`` (the run is
         ending), ``paused``, ``budget`` (spent, and no evaluation round running: evaluations
         run outside the budget), ``storage`` (the spool cannot write: disk full),
-        ``backpressure`` (the sink is not storing) or
+        ``backpressure`` (the sink is not storing, and no evaluation round running: an
+        evaluation's steps never reach a replay table, so a trainer that samples slowly
+        must not pace it; what the sink cannot take meanwhile waits in the spool, and a
+        round is a bounded number of episodes) or
         ``policy_lag`` (callers pass ``lag_exceeded`` only for the experiment's own policy)."""
         if self.estopped:
             return "estop"
@@ -83,7 +86,7 @@ class Collection:
             return "budget"
         if spool_failing:
             return "storage"
-        if sink_blocked:
+        if sink_blocked and not evaluating:
             return "backpressure"
         if lag_exceeded:
             return "policy_lag"
