@@ -103,6 +103,12 @@ class EnvWorker:
         self.limits = limits or Limits()
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket[Any] | None = None
+        self._bus: zmq.Socket[Any] | None = None
+        """The gateway's e-stop bus (:mod:`gateway.hub.estop`), subscribed after WELCOME."""
+        self._polled: tuple[tuple[Any, Any], zmq.Poller] | None = None
+        self._estop_epoch = 0
+        """The newest e-stop command applied: a command that is not newer is a duplicate
+        (the bus and the workers' socket both carry each one) or superseded."""
         n = backend.num_envs
         self._episode = np.zeros(n, dtype=np.int64)
         self._step = np.zeros(n, dtype=np.int64)
@@ -171,6 +177,7 @@ class EnvWorker:
                 reply = recv(sock, self.limits)
                 if reply.type is MsgType.WELCOME:
                     self._ring_answered(reply.meta.get("shm"))
+                    self._subscribe_bus(reply.meta.get("estop_bus"))
                     return reply.meta
                 if reply.type is MsgType.ERROR:
                     code, text = reply.meta.get("code"), reply.meta.get("message")
@@ -182,6 +189,47 @@ class EnvWorker:
             self.stop_event.wait(backoff)
             backoff = min(backoff * 2, 2.0)
         raise FatalWorkerError("stopped before the gateway answered")
+
+    def _subscribe_bus(self, address: Any) -> None:
+        """Listen to the gateway's e-stop bus at ``address`` (WELCOME's ``estop_bus``)."""
+        if self._bus is not None:
+            self._bus.close(linger=0)
+            self._bus = None
+        self._estop_epoch = 0  # epochs count per gateway process: this may be a restarted one
+        if not isinstance(address, str) or not address:
+            return  # an older gateway: e-stops come over the workers' socket only
+        if address.startswith("tcp://"):
+            host, _, port = address[len("tcp://") :].rpartition(":")
+            if host in ("0.0.0.0", "*", "[::]") and self.address.startswith("tcp://"):
+                host = self.address[len("tcp://") :].rpartition(":")[0]
+            address = f"tcp://{host}:{port}"
+        bus = make_socket(self._ctx, zmq.SUB, rcvhwm=1000)
+        bus.setsockopt(zmq.SUBSCRIBE, b"")
+        connect(bus, address, self.keys)
+        self._bus = bus
+
+    def _poller(self) -> zmq.Poller:
+        """A poller on the gateway's socket and the e-stop bus (made again when they change)."""
+        socks = (self._sock, self._bus)
+        if self._polled is None or self._polled[0] != socks:
+            poller = zmq.Poller()
+            for sock in socks:
+                if sock is not None:
+                    poller.register(sock, zmq.POLLIN)
+            self._polled = (socks, poller)
+        return self._polled[1]
+
+    def _bus_commands(self) -> None:
+        """Apply whatever the e-stop bus has (never blocks)."""
+        bus = self._bus
+        while bus is not None and bus.poll(0):
+            try:
+                msg = recv(bus, self.limits)
+            except ProtocolError as exc:
+                log.warning("ignoring a malformed message on the gateway's e-stop bus: %s", exc)
+                continue
+            if msg.type is MsgType.COMMAND and msg.meta.get("cmd") == "estop":
+                self._on_command(msg)
 
     def _offer_ring(self) -> dict[str, Any] | None:
         """A fresh ring for this connection attempt (the last one's name removed), if wanted."""
@@ -307,6 +355,9 @@ class EnvWorker:
                     send(self._sock, Message(MsgType.BYE, meta={"uid": self.uid}), flags=zmq.NOBLOCK)
                 self._sock.close(linger=0)
                 self._sock = None
+            if self._bus is not None:
+                self._bus.close(linger=0)
+                self._bus = None
             if self.shm is not None:
                 self.shm.close()
                 self.shm = None
@@ -368,8 +419,16 @@ class EnvWorker:
         """The gateway's answer to observation ``seq``; None when it went silent."""
         assert self._sock is not None
         last_heard = time.monotonic()
+        poller = self._poller()
         while not self.stop_event.is_set():
-            if not self._sock.poll(int(self.heartbeat_s * 1000)):
+            events = dict(poller.poll(int(self.heartbeat_s * 1000)))
+            if self._bus is not None and self._bus in events:
+                self._bus_commands()
+                if self.stop_event.is_set():
+                    return None
+                if self._sock not in events:
+                    continue
+            if self._sock not in events:
                 if time.monotonic() - last_heard > self.gateway_timeout_s:
                     log.warning("gateway silent for %.1f s; reconnecting", time.monotonic() - last_heard)
                     return None
@@ -399,6 +458,11 @@ class EnvWorker:
         """A COMMAND the gateway sent: ``estop``, ``stop``, or an operator command for the backend."""
         cmd = msg.meta.get("cmd")
         if cmd == "estop":
+            epoch = msg.meta.get("epoch")
+            if isinstance(epoch, int) and not isinstance(epoch, bool):
+                if epoch <= self._estop_epoch:
+                    return  # had it from the bus (or the socket) already, or superseded
+                self._estop_epoch = epoch
             engaged = bool(msg.meta.get("engaged", True))
             self.backend.estop(engaged)
             log.warning(
@@ -421,6 +485,7 @@ class EnvWorker:
         sock = self._sock
         if sock is None:
             return not self.stop_event.is_set()
+        self._bus_commands()
         now = time.monotonic()
         if now - self._last_beat >= self.heartbeat_s:
             send(sock, Message(MsgType.HEARTBEAT, meta={"uid": self.uid, "busy": True}))

@@ -126,7 +126,7 @@ def test_an_estop_behind_ten_thousand_queued_observations_is_applied_before_any_
     wait_for(lambda: session.last_seq == flood + 1, timeout=60, what="every queued observation handled")
     got = replies(worker)
     assert [m.type for m in got] == [MsgType.COMMAND], [m.type.name for m in got]  # no ACTION left
-    assert got[0].meta == {"cmd": "estop", "engaged": True, "reason": "test"}
+    assert got[0].meta == {"cmd": "estop", "engaged": True, "reason": "test", "epoch": 1}
     assert recv(control).meta["estopped"] is True
     # Releasing answers the newest observation only: the worker moves on from there.
     send(control, Message(MsgType.COMMAND, seq=2, meta={"cmd": "estop", "engaged": False}))
@@ -136,6 +136,52 @@ def test_an_estop_behind_ten_thousand_queued_observations_is_applied_before_any_
     assert [m.seq for m in actions] == [flood + 1], [(m.type.name, m.seq) for m in released]
     worker.close()
     control.close()
+
+
+def test_an_estop_is_answered_and_reaches_the_workers_while_the_loop_is_busy(hub):
+    """The gateway's loop stopped stands for one stuck in a long turn (a chunk of camera
+    frames gathered, a spool segment rolled): the control socket's own thread takes the
+    e-stop, answers it and puts it on the bus the worker listens to, and the worker hands
+    it to its backend; a release waits for the loop, and a later e-stop supersedes a
+    release the loop has not handled yet."""
+    from gateway.worker import EnvWorker
+
+    hub.start()
+    backend = make_backend("counter", num_envs=2, seed=0)
+    worker = EnvWorker(backend, hub.gateway.addresses["workers"], uid="bus-w", context=hub.ctx)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: hub.gateway.state.env_steps >= 20, timeout=30, what="collection started")
+        hub.stop()  # the loop serves nothing from here on
+        control = hub.dealer("control")
+        send(control, Message(MsgType.COMMAND, seq=1, meta={"cmd": "estop", "reason": "busy loop"}))
+        wait_for(lambda: control.poll(0), timeout=10, what="the e-stop's answer from the control line")
+        reply = recv(control)
+        assert reply.type is MsgType.REPLY and reply.meta["estopped"] is True, reply
+        wait_for(lambda: backend.estopped, timeout=10, what="the worker's backend to take the e-stop")
+        assert hub.gateway.state.estopped
+        # A release goes to the loop, which is not running; a second e-stop overtakes it.
+        send(control, Message(MsgType.COMMAND, seq=2, meta={"cmd": "estop", "engaged": False}))
+        send(control, Message(MsgType.COMMAND, seq=3, meta={"cmd": "estop", "reason": "again"}))
+        wait_for(lambda: control.poll(0), timeout=10, what="the second e-stop's answer")
+        assert recv(control).meta == {"estopped": True, "workers": 1, "epoch": 3}
+        hub.start()
+        wait_for(lambda: control.poll(0), timeout=10, what="the release's answer from the loop")
+        released = recv(control)
+        assert released.seq == 2 and released.meta["superseded"] is True, released.meta
+        assert hub.gateway.state.estopped and backend.estopped
+        # A release that is the newest command lifts it, on the gateway and the worker.
+        send(control, Message(MsgType.COMMAND, seq=4, meta={"cmd": "estop", "engaged": False}))
+        wait_for(lambda: control.poll(0), timeout=10, what="the release's answer")
+        assert recv(control).meta["estopped"] is False
+        wait_for(lambda: not backend.estopped, timeout=10, what="the worker's backend released")
+        held = hub.gateway.state.env_steps
+        wait_for(lambda: hub.gateway.state.env_steps > held + 10, timeout=30, what="collection resumed")
+        control.close()
+    finally:
+        worker.stop_event.set()
+        thread.join(timeout=30)
 
 
 def test_the_hub_records_a_counter_workers_steps_in_process(hub, tmp_path):

@@ -3,7 +3,9 @@
 COMMAND ``{"cmd": ...}`` -> REPLY, or ERROR (``bad_request``) naming what is wrong:
 
 - ``status``; ``pause`` / ``resume``; ``set_budget {max_env_steps}``;
-- ``estop {engaged, reason}``: every worker holds (or resumes) at once;
+- ``estop {engaged, reason}``: every worker holds (or resumes) at once; an e-stop being
+  engaged is applied and answered on the control socket's own thread
+  (:mod:`gateway.hub.estop`), never behind the loop;
 - ``ready {worker?, env?}``: robots waiting for an operator at reset may start;
 - ``evaluate {episodes}``; ``trainer_version {version, t, max_policy_lag?}``;
 - ``drain {deadline_s?}``: answered once every recorded chunk is acknowledged by the sink,
@@ -24,9 +26,10 @@ from typing import Any
 
 import zmq
 
+from gateway.hub.estop import INTERNAL, ControlLine, estop_command
 from gateway.hub.state import Hub
 from gateway.protocol import ErrorCode, Message, MsgType, ProtocolError, recv_routed, send
-from gateway.transport import CurveKeys, bind, make_socket
+from gateway.transport import CurveKeys
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +39,10 @@ class ControlDesk:
 
     def __init__(self, hub: Hub, ctx: zmq.Context[Any], address: str, keys: CurveKeys | None) -> None:
         self.hub = hub
-        self.sock = make_socket(ctx, zmq.ROUTER)
-        self.address = bind(self.sock, address, keys)
+        self.line = ControlLine(ctx, address, hub.state, sessions=lambda: len(hub.sessions), keys=keys)
+        self.address = self.line.address
+        self.sock = self.line.sock
+        """The loop's end of the control socket (ROUTER-framed), fed by :attr:`line`."""
         self.drain_replies: list[tuple[bytes, int, float]] = []
         """``drain`` requests waiting for the sink to acknowledge everything: route, seq
         and the monotonic time by which they are answered anyway."""
@@ -49,6 +54,9 @@ class ControlDesk:
             hub.reply_error(self.sock, route, err)
             return
         assert msg is not None
+        if route == INTERNAL:  # the line engaged an e-stop: now every worker's socket hears it
+            self.notify_workers(msg)
+            return
         try:
             if msg.type is not MsgType.COMMAND:
                 raise ProtocolError(
@@ -117,7 +125,12 @@ class ControlDesk:
             hub.resubmit_waiting()
             return {"max_env_steps": value}
         if cmd == "estop":
-            return self.estop(bool(meta.get("engaged", True)), str(meta.get("reason", "")))
+            epoch = meta.get("epoch")
+            return self.estop(
+                bool(meta.get("engaged", True)),
+                str(meta.get("reason", "")),
+                epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+            )
         if cmd == "evaluate":
             episodes = meta.get("episodes")
             if not isinstance(episodes, int) or isinstance(episodes, bool) or episodes < 1:
@@ -149,21 +162,34 @@ class ControlDesk:
             "trainer_version, drain, shutdown)",
         )
 
-    def estop(self, engaged: bool, reason: str = "") -> dict[str, Any]:
-        """Engage or release the e-stop on every worker at once; no actions while engaged."""
+    def estop(self, engaged: bool, reason: str = "", *, epoch: int | None = None) -> dict[str, Any]:
+        """Engage or release the e-stop on every worker at once; no actions while engaged.
+
+        Engaging from the control socket happens on its line (:mod:`gateway.hub.estop`);
+        this engages for callers in the loop. A release carries the epoch the line gave it
+        and is superseded (changes nothing) when a later e-stop command came in."""
         hub = self.hub
-        hub.state.estopped = engaged
         if engaged:
-            hub.state.estops += 1
-        hub.send_to_workers(
-            Message(MsgType.COMMAND, meta={"cmd": "estop", "engaged": engaged, "reason": reason})
-        )
+            epoch = self.line.next_epoch(True)
+            self.notify_workers(estop_command(True, reason, epoch))
+            return {"estopped": True, "workers": len(hub.sessions), "epoch": epoch}
+        if not self.line.release(epoch):
+            log.warning("e-stop release (%s) superseded by a later e-stop command", reason)
+            return {"estopped": hub.state.estopped, "superseded": True, "workers": len(hub.sessions)}
+        self.notify_workers(estop_command(False, reason, hub.state.estop_epoch))
+        hub.resubmit_waiting()
+        return {"estopped": False, "workers": len(hub.sessions), "epoch": hub.state.estop_epoch}
+
+    def notify_workers(self, command: Message) -> None:
+        """An e-stop COMMAND to every worker over the workers' socket (the bus has it too)."""
+        meta = command.meta
+        self.hub.send_to_workers(command)
         log.warning(
-            "e-stop %s (%s) on %d worker(s)", "engaged" if engaged else "released", reason, len(hub.sessions)
+            "e-stop %s (%s) on %d worker(s)",
+            "engaged" if meta.get("engaged") else "released",
+            meta.get("reason", ""),
+            len(self.hub.sessions),
         )
-        if not engaged:
-            hub.resubmit_waiting()
-        return {"estopped": engaged, "workers": len(hub.sessions)}
 
     def ready(self, worker: Any = None, env: Any = None) -> dict[str, Any]:
         """An operator's "ready": robots waiting at reset (``reset.wait_for_operator``) may start.
@@ -187,4 +213,4 @@ class ControlDesk:
         return {"ready": True, "workers": len(targets)}
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.line.close()

@@ -94,16 +94,16 @@ class Gateway:
         self.workers_sock = make_socket(self._ctx, zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000)
         self.workers_sock.router_mandatory = False
         self.addresses = {"workers": bind(self.workers_sock, addresses["workers"], keys)}
+        self.state = Collection(max_env_steps=max_env_steps, env_steps=recorder.counters.acked_steps)
+        self.sessions: dict[str, WorkerSession] = {}
         self.control = ControlDesk(self, self._ctx, addresses["control"], keys)
         self.addresses["control"] = self.control.address
         self.clients = ClientRouter(self, self._ctx, addresses["clients"], keys)
         self.addresses["clients"] = self.clients.address
-        self.sessions: dict[str, WorkerSession] = {}
         self.by_route: dict[bytes, str] = {}
         self.errors: Counter[str] = Counter()
         self._logged: set[tuple[bytes, str]] = set()
         self.rtt = Histogram()
-        self.state = Collection(max_env_steps=max_env_steps, env_steps=recorder.counters.acked_steps)
         self.worker_timeout_s = config.worker_timeout_s
         self.policy_drives = source is not None
         self.started = time.monotonic()
@@ -221,13 +221,23 @@ class Gateway:
         log.info(
             "worker %s registered (%d envs%s)", uid, num_envs, ", resuming" if meta.get("resume") else ""
         )
-        welcome = {"uid": uid, "heartbeat_s": self.config.heartbeat_s, "reset_required": reset_required}
+        welcome = {
+            "uid": uid,
+            "heartbeat_s": self.config.heartbeat_s,
+            "reset_required": reset_required,
+            "estop_bus": self.control.line.bus_address,
+        }
         session.shm, ring = attach_ring(meta.get("shm"), self.config.shared_memory, uid)
         if ring is not None:
             welcome["shm"] = ring
         send(self.workers_sock, Message(MsgType.WELCOME, seq=msg.seq, meta=welcome), route=[route])
         if self.state.estopped:  # a robot joining during an e-stop must hold too
-            command = {"cmd": "estop", "engaged": True, "reason": "engaged before this worker joined"}
+            command = {
+                "cmd": "estop",
+                "engaged": True,
+                "reason": "engaged before this worker joined",
+                "epoch": self.state.estop_epoch,
+            }
             send(self.workers_sock, Message(MsgType.COMMAND, meta=command), route=[route])
 
     def _check_observation(
@@ -522,6 +532,7 @@ class Gateway:
         for sock in [self.control.sock, *(h[0] for h in handlers), *extra]:
             poller.register(sock, zmq.POLLIN)
         last_tick = last_metrics = time.monotonic()
+        self.control.line.start()
         log.info("gateway serving: %s", json.dumps(self.addresses))
         while not self.state.stopping and not (stop is not None and stop.is_set()):
             events = dict(poller.poll(int(TICK_S * 1000)))

@@ -56,6 +56,9 @@ class Collection:
     estopped: bool = False
     estops: int = 0
     """How often the e-stop was engaged."""
+    estop_epoch: int = 0
+    """The newest e-stop command's number (engaged or released), in arrival order: workers
+    apply an e-stop command only if it is newer than the last they applied."""
     draining: bool = False
     """The run is ending: every episode was flushed; no step is recorded any more."""
     stopping: bool = False
