@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from gateway import lifeline
@@ -519,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                     final.update(
                         finalizer(cfg, control, run.run_dir, should_stop=lambda: interrupted["n"] > 0)
                     )
-        status = drain(control, cfg, status)
+        status = drain(control, cfg, status, sup.supervise)
     finally:
         sup.stop(timeout_s=cfg.run.drain_timeout_s)
         control.close()
@@ -531,17 +532,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if outcome == "completed" else (130 if outcome == "interrupted" else 1)
 
 
-def drain(control: ControlClient, cfg: ExperimentConfig, status: dict[str, Any]) -> dict[str, Any]:
-    """Pause collection and flush the gateway; return its final status."""
+def drain(
+    control: ControlClient,
+    cfg: ExperimentConfig,
+    status: dict[str, Any],
+    supervise: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """Pause collection and flush the gateway; return its final status.
+
+    A gateway that died or is restarting when the run stops (a crash just before Ctrl-C)
+    is waited for, up to ``run.drain_timeout_s``, while ``supervise`` keeps restarting
+    services: what it acknowledged is in its spool, and only a gateway running on it can
+    hand that to the sink."""
+    timeout_s = cfg.run.drain_timeout_s
+    deadline = time.monotonic() + timeout_s
+    while True:
+        supervise()
+        try:
+            control.request("pause", timeout_s=min(5.0, max(deadline - time.monotonic(), 0.5)))
+            break
+        except (Timeout, RemoteError) as exc:
+            if time.monotonic() >= deadline:
+                log.error("gateway did not drain (%s); counting what reached the store", exc)
+                return status
+            log.warning(
+                "draining: waiting for the gateway to answer (%s), %.0f s left",
+                exc,
+                deadline - time.monotonic(),
+            )
+            time.sleep(0.2)
     try:
-        control.request("pause", timeout_s=5.0)
         # The gateway answers by its own deadline, stored or not, before ours passes.
-        timeout_s = cfg.run.drain_timeout_s
         return control.request("drain", timeout_s=timeout_s + 5.0, deadline_s=timeout_s)
     except (Timeout, RemoteError) as exc:
         log.error("gateway did not drain (%s); counting what reached the store", exc)
         return status
-
 
 if __name__ == "__main__":
     sys.exit(main())

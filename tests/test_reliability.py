@@ -303,3 +303,47 @@ def test_run_nice_lowers_the_priority_of_the_named_services_only(tmp_path):
         raise
     _, summary = ended(proc, run)
     assert summary["outcome"] == "interrupted"
+
+
+@pytest.mark.e2e
+def test_ctrl_c_right_after_the_gateway_died_waits_for_its_restart_and_stores_everything(tmp_path):
+    """The gateway is killed (-9) and Ctrl-C comes before the supervisor restarted it:
+    the drain waits for the restarted gateway, which hands its spool to the store, so
+    every step the dead one acknowledged is stored, none twice."""
+    run = tmp_path / "run"
+    cfg = {
+        "env": {"backend": "mujoco_reach", "workers": 1, "num_envs": 4, "seed": 0},
+        "policy": {"kind": "random"},
+        "run": {"max_env_steps": None, "status_interval_s": 0.2},
+    }
+    path = tmp_path / "random.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = up(path, run)
+    try:
+        from gateway.control_client import ControlClient
+        from gateway.protocol import Timeout
+
+        wait_for(lambda: (run / "endpoints.json").exists(), timeout=60, what="endpoints.json")
+        control = ControlClient(json.loads((run / "endpoints.json").read_text())["gateway"]["control"])
+
+        def stepped() -> bool:
+            try:
+                return int(control.request("status", timeout_s=1.0)["env_steps"]) >= 400
+            except Timeout:
+                return False
+
+        wait_for(stepped, timeout=120, interval=0.2, what="400 steps collected")
+        control.close()
+        found = subprocess.run(["pgrep", "-f", f"gateway.hub.*{run}"], capture_output=True, text=True)
+        (gateway,) = [int(p) for p in found.stdout.split()]
+        os.kill(gateway, signal.SIGKILL)
+        proc.send_signal(signal.SIGINT)
+    except BaseException:
+        proc.kill()
+        raise
+    out, summary = ended(proc, run)
+    assert summary["outcome"] == "interrupted", out[-3000:]
+    assert "gateway did not drain" not in out, out[-3000:]
+    assert summary["acked_steps"] >= 400, summary
+    assert summary["stored_steps"] == summary["acked_steps"], summary
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0, summary
