@@ -29,12 +29,18 @@ class ControlClient:
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self.address, self.keys = address, keys
         self._sock: zmq.Socket[Any] | None = None
+        self._dialled = address
         self._seq = 0
 
     def request(self, cmd: str, timeout_s: float = 2.0, **meta: Any) -> dict[str, Any]:
+        """Send ``cmd`` and wait for its answer. After :attr:`address` changed (the gateway
+        moved: :mod:`gateway.endpoints`), the request goes to the new address."""
+        if self._sock is not None and self._dialled != self.address:
+            self.close()
         if self._sock is None:
             self._sock = make_socket(self._ctx, zmq.DEALER)
             connect(self._sock, self.address, self.keys)
+            self._dialled = self.address
         self._seq += 1
         send(self._sock, Message(MsgType.COMMAND, seq=self._seq, meta={"cmd": cmd, **meta}))
         deadline = time.monotonic() + timeout_s

@@ -494,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
             while not sup.failed and not interrupted["n"]:
                 sup.supervise()
                 serve_requests(sup, cfg, run, metrics)
-                # A timeout means the gateway is restarting; the supervisor brings it back.
+                # A timeout means the gateway is restarting; the supervisor brings it back
+                # (under the Ray engine perhaps on another node: its address moves with it).
+                control.address = run.endpoints["gateway"]["control"]
                 with contextlib.suppress(Timeout):
                     status = control.request("status", timeout_s=2.0)
                 autoscaler.tick(sup, status, metrics)

@@ -45,12 +45,15 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
 
 from gateway import lifeline, shm, steps
+from gateway.endpoints import lookup
+from gateway.endpoints import read as read_endpoints
 from gateway.episode import EpisodeBackend, Obs
 from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError, pack, recv, send
 from gateway.services import freeze_heap
@@ -92,9 +95,13 @@ class EnvWorker:
         context: zmq.Context[Any] | None = None,
         tap_address: str | None = None,
         shared_memory: str = "auto",
+        endpoints: str | Path | None = None,
     ) -> None:
         self.backend = backend
         self.address = address
+        self.endpoints = None if endpoints is None else Path(endpoints)
+        """The run's ``endpoints.json``, read again at each reconnect: a gateway restarted on
+        another node (:mod:`gateway.endpoints`) is found at its new address."""
         self.seed = seed
         self.uid = uid or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.heartbeat_s = heartbeat_s
@@ -140,6 +147,15 @@ class EnvWorker:
     def _connect(self) -> zmq.Socket[Any]:
         if self._sock is not None:
             self._sock.close(linger=0)
+        if self.endpoints is not None:
+            try:
+                moved = lookup(read_endpoints(self.endpoints), "gateway", "workers")
+            except (OSError, ValueError) as exc:  # half-written by hand: the old address
+                log.warning("cannot read %s (%s); dialling %s", self.endpoints, exc, self.address)
+                moved = None
+            if moved is not None and moved != self.address:
+                log.warning("gateway moved: %s -> %s", self.address, moved)
+                self.address = moved
         sock = make_socket(self._ctx, zmq.DEALER, sndhwm=64, rcvhwm=64)
         connect(sock, self.address, self.keys)
         self._sock = sock
@@ -605,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         keys=CurveKeys.load(curve) if curve else None,
         tap_address=tap,
         shared_memory=shared_memory,
+        endpoints=args.endpoints if args.connect is None else None,
     )
 
     def _stop(signum: int, frame: Any) -> None:

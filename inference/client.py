@@ -17,13 +17,16 @@ connected), is marked down and everything in flight on it is sent to another; a
 matched by a per-attempt sequence number, so a late answer from a server that was
 given up on is dropped, never delivered twice. Heartbeats go to every server, down
 ones included, so a server that comes back (restarted at its address, or planned but
-started late) joins live; :meth:`InferenceSource.add_replica` adds a new one.
+started late) joins live; :meth:`InferenceSource.add_replica` adds a new one, and
+:meth:`InferenceSource.follow` moves one whose address changed in ``endpoints.json``
+(restarted on another node: :mod:`gateway.endpoints`).
 Only when the gateway's own deadline passes does a request end with an error (the
 gateway then asks again), so no env step is lost to a dying server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -157,6 +160,25 @@ class InferenceSource(ActionSource):
         sock.immediate = True
         connect(sock, address, self.keys)
         self.replicas.append(Replica(index=len(self.replicas), address=address, sock=sock))
+
+    def follow(self, endpoints: Mapping[str, Any]) -> list[str]:
+        """Re-point every replica whose ``requests`` address in ``endpoints`` changed (its
+        server restarted on another node); what is in flight on it goes elsewhere, and it
+        joins again once the server answers at its new address. The moves, in words."""
+        moved = []
+        for replica, entry in zip(self.replicas, endpoints.get("inference") or []):
+            new = entry if isinstance(entry, str) else (entry or {}).get("requests")
+            if not isinstance(new, str) or new == replica.address:
+                continue
+            old = replica.address
+            with contextlib.suppress(zmq.ZMQError):  # not connected there any more
+                replica.sock.disconnect(old)
+            connect(replica.sock, new, self.keys)
+            self._mark_down(replica, f"it moved to {new}")
+            replica.address, replica.last_heard = new, 0.0
+            moved.append(f"inference server {replica.index}: {old} -> {new}")
+            log.warning("inference server %d moved: %s -> %s; reconnecting", replica.index, old, new)
+        return moved
 
     # ------------------------------------------------------------- the contract
 

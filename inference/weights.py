@@ -32,6 +32,7 @@ back in.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -339,6 +340,7 @@ class WeightsPublisher:
         for it; a planned server that is restarting gets its publication queued, as ever."""
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self._ctx = context or zmq.Context.instance()
+        self.keys = keys
         self._socks: list[zmq.Socket[Any]] = []
         for address, optional in zip(self.addresses, self.optional):
             sock = make_socket(self._ctx, zmq.DEALER, sndhwm=0, rcvhwm=0)
@@ -347,6 +349,22 @@ class WeightsPublisher:
             connect(sock, address, keys)
             self._socks.append(sock)
         self._seq = 1 << 20
+
+    def follow(self, targets: Sequence[str | Mapping[str, Any]]) -> list[str]:
+        """Re-point every server whose ``weights`` address in ``targets`` (``endpoints.json``'s
+        ``inference`` list) changed: it restarted on another node. The moves, in words."""
+        moved = []
+        for i, new in enumerate(weights_addresses(targets)[: len(self._socks)]):
+            old = self.addresses[i]
+            if new == old:
+                continue
+            with contextlib.suppress(zmq.ZMQError):  # not connected there any more
+                self._socks[i].disconnect(old)
+            connect(self._socks[i], new, self.keys)
+            self.addresses[i] = new
+            moved.append(f"weights of inference server {i}: {old} -> {new}")
+            log.warning("inference server %d moved: publishing its weights to %s (was %s)", i, new, old)
+        return moved
 
     def publish(
         self, state_dict: Mapping[str, np.ndarray], version: int, *, check: bool = True

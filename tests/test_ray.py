@@ -26,11 +26,15 @@ import pytest
 import yaml
 
 from benchmarks.ray_cluster import GPU_NODE, PLACEMENT, ROBOT_HOST, ThreeNodes
+from gateway.endpoints import lookup
+from gateway.endpoints import read as read_endpoints
 from gateway.metrics import read_metrics
 from tests.conftest import REPO, time_left, wait_for
 
 pytestmark = pytest.mark.e2e
 
+SPARE_IP = "127.0.0.2"
+"""A node's IP of its own on this machine (any 127.x address is this machine's loopback)."""
 _PLACED = re.compile(r"INFO (\S+) placed on \S+ \(([0-9a-f]+)\)")
 
 
@@ -220,13 +224,23 @@ def collection_config(workers: int = 2, **run: Any) -> dict[str, Any]:
 
 @pytest.mark.timeout(240)
 def test_lost_gpu_node_its_services_come_back_elsewhere_and_the_trainer_resumes(cluster, tmp_path):
-    """The GPU node holding the inference replica, the trainer's two ranks and a worker is
-    removed mid-run, after the trainer's first checkpoint: Ray declares it dead, every
-    service restarts on a node that fits (a spare GPU node added before the loss, as an
-    autoscaler would), the trainer on a new placement group from its last checkpoint; the
-    run finishes, every acknowledged step is stored exactly once, and the policy version
-    never goes backwards."""
-    cfg = collection_config()
+    """The GPU node holding the inference replica, the replay service, the trainer's two
+    ranks and a worker is removed mid-run, after the trainer's first checkpoint: Ray
+    declares it dead, every service restarts on a node that fits (a spare GPU node added
+    before the loss, as an autoscaler would), the trainer on a new placement group from its
+    last checkpoint. The spare node has an IP of its own (127.0.0.2: this machine's nodes
+    are otherwise all at one address), so the restarted inference server and replay service
+    really bind other addresses: the driver writes them into endpoints.json and the running
+    gateway follows it there. The run finishes, every acknowledged step is stored exactly
+    once, and the policy version never goes backwards. The replay service shares the GPU
+    node's ``gpu_node`` with the inference replica here (half each), only to be lost with it."""
+    cfg = collection_config(
+        placement={
+            **PLACEMENT,
+            "inference": {"resources": {"gpu_node": 0.5}},
+            "replay": {"resources": {"gpu_node": 0.5}},
+        }
+    )
     cfg["replay"]["tables"][0].update(min_size_to_sample=500, samples_per_insert=32, error_buffer=20000)
     cfg["trainer"] = {
         "enabled": True,
@@ -249,15 +263,16 @@ def test_lost_gpu_node_its_services_come_back_elsewhere_and_the_trainer_resumes(
             interval=0.2,
             what="the trainer's first checkpoint",
         )
-        for service in ("inference-0", "trainer[0]", "trainer[1]"):
+        for service in ("inference-0", "replay", "trainer[0]", "trainer[1]"):
             assert [on(lost, n) for n in nodes_of(proc, service)] == [True], (service, placements(proc))
         on_lost = [f"worker-{i}" for i in range(2) if on(lost, nodes_of(proc, f"worker-{i}")[0])]
         assert len(on_lost) == 1, placements(proc)
-        spare = cluster.add(GPU_NODE)
+        before = read_endpoints(run / "endpoints.json")
+        spare = cluster.add({**GPU_NODE, "node_ip_address": SPARE_IP})
         cluster.remove(lost)
         cluster.gpu = spare
         steps_at_loss = env_steps(run)
-        moved = ("inference-0", "trainer[0]", "trainer[1]", on_lost[0])
+        moved = ("inference-0", "replay", "trainer[0]", "trainer[1]", on_lost[0])
         wait_for(
             lambda: all(len(nodes_of(proc, name)) == 2 for name in moved),
             timeout=90,
@@ -268,11 +283,28 @@ def test_lost_gpu_node_its_services_come_back_elsewhere_and_the_trainer_resumes(
         proc.kill()
         raise
     summary = finish(proc, run)
-    for name in ("inference-0", "trainer[0]", "trainer[1]"):
+    for name in ("inference-0", "replay", "trainer[0]", "trainer[1]"):
         assert on(spare, nodes_of(proc, name)[1]), (name, placements(proc))
     assert not on(lost, nodes_of(proc, on_lost[0])[1])
     log = output(proc)
     assert "inference-0 exited with signal SIGKILL; restart 1/" in log, log[-3000:]
+    after = read_endpoints(run / "endpoints.json")
+    for key, old_address in (
+        (("inference", 0, "requests"), lookup(before, "inference", 0, "requests")),
+        (("replay", "ingest"), lookup(before, "replay", "ingest")),
+    ):
+        new_address = lookup(after, *key)
+        assert new_address == str(old_address).replace("127.0.0.1", SPARE_IP) != old_address, (key, after)
+    gateway_log = (run / "logs" / "gateway.log").read_text()
+    assert f"inference server 0 moved: {lookup(before, 'inference', 0, 'requests')}" in gateway_log
+    assert f"replay ingest moved: {lookup(before, 'replay', 'ingest')}" in gateway_log
+    replicas = [
+        r["policy"]["replicas"]
+        for r in read_metrics(run / "metrics.jsonl")
+        if r.get("service") == "gateway" and "policy" in r
+    ]
+    assert replicas[-1][0]["address"] == lookup(after, "inference", 0, "requests")
+    assert any(r[0]["address"] == replicas[-1][0]["address"] and r[0]["up"] for r in replicas)
     assert "resumed from step-" in (run / "logs" / "trainer.log").read_text()
     assert summary["env_steps"] > steps_at_loss
     assert summary["acked_steps"] == summary["stored_steps"]

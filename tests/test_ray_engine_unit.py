@@ -124,6 +124,16 @@ def test_loopback_addresses_on_a_cluster_of_several_hosts_are_refused():
     check_cluster(cfg, one_host, "10.0.0.1")
     with pytest.raises(ConfigError, match=r"gateway.host .127.0.0.1. is loopback .*10\.0\.0\.2"):
         check_cluster(cfg, [*one_host, {"NodeManagerAddress": "10.0.0.2", "Resources": {}}], "10.0.0.1")
+    # A node of this machine at a loopback IP of its own (ray start --node-ip-address 127.0.0.2).
+    check_cluster(cfg, [*one_host, {"NodeManagerAddress": "127.0.0.2", "Resources": {}}], "10.0.0.1")
+
+
+def test_a_service_binds_its_nodes_loopback_ip_and_otherwise_the_configured_host():
+    from gateway.engines.ray_engine import bind_host
+
+    assert bind_host("127.0.0.1", "127.0.0.2") == "127.0.0.2"  # a node of its own on this machine
+    assert bind_host("127.0.0.1", "10.0.0.1") == "127.0.0.1"  # loopback as configured, no CURVE needed
+    assert bind_host("0.0.0.0", "10.0.0.7") == "10.0.0.7"
 
 
 @pytest.mark.parametrize(

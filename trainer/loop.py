@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gateway.config import ExperimentConfig
+from gateway.endpoints import EndpointsFollower, lookup
 from gateway.episode import EnvSpec
 from gateway.gpu_stats import for_device
 from gateway.metrics import MetricsWriter
@@ -98,6 +99,8 @@ class Trainer:
         from trainer.replay.client import ReplayClient
 
         self.replay = ReplayClient(endpoints["replay"]["sample"], prefetch=self.tc.prefetch)
+        self.follower = EndpointsFollower(run_dir / "endpoints.json")
+        """The run's addresses, followed: a peer restarted on another node is dialled there."""
         self.control: Any = None
         self.publisher: Publisher | None = None
         if world.is_main:
@@ -138,6 +141,7 @@ class Trainer:
         started = time.monotonic()
         warned, released = 0.0, False
         while True:
+            self.follow_endpoints()
             try:
                 # Short slices, so that a wait for data that will never come is noticed.
                 arrays = self.replay.sample(
@@ -170,6 +174,27 @@ class Trainer:
             t = torch.from_numpy(np.ascontiguousarray(v))
             out[k] = t.pin_memory().to(self.world.device, non_blocking=True) if pin else t
         return out
+
+    def follow_endpoints(self) -> None:
+        """Re-point this rank's sockets at peers that moved (``endpoints.json`` changed: the
+        Ray engine restarted one on another node): the replay service on every rank; the
+        gateway and the inference servers on rank 0."""
+        endpoints = self.follower.poll()
+        if endpoints is None:
+            return
+        self.endpoints = endpoints
+        sample = lookup(endpoints, "replay", "sample")
+        if sample is not None:
+            self.replay.repoint(sample)
+        control = lookup(endpoints, "gateway", "control")
+        if control is not None:
+            for client in (self.control, self._probe, getattr(self.publisher, "control", None)):
+                target = getattr(client, "client", client)  # the publisher's line wraps one
+                if target is not None and target.address != control:
+                    log.warning("gateway moved: %s -> %s", target.address, control)
+                    target.address = control
+        if self.publisher is not None and self.cfg.inference.enabled:
+            self.publisher.retarget(endpoints.get("inference") or [])
 
     def publish(self) -> None:
         self.c.version += 1

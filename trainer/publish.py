@@ -87,6 +87,8 @@ class Publisher:
         self._spare: list[dict[str, np.ndarray]] = []
         """Snapshots that no socket holds any more, reused by :meth:`snapshot`."""
         self._spare_lock = threading.Lock()
+        self._targets: Sequence[Mapping[str, Any] | str] | None = None
+        """New server addresses (:meth:`retarget`), applied by the sending thread."""
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
 
@@ -111,11 +113,21 @@ class Publisher:
                 self._recycle(superseded[1])
         self._queue.put((version, arrays, time.time()))
 
+    def retarget(self, targets: Sequence[Mapping[str, Any] | str]) -> None:
+        """The servers' addresses changed (``endpoints.json``: one restarted on another
+        node); the next publication goes to the new ones."""
+        with self._spare_lock:
+            self._targets = targets
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
+            with self._spare_lock:
+                targets, self._targets = self._targets, None
+            if targets is not None and self.publisher is not None:
+                self.publisher.follow(targets)
             version, arrays, created = item
             started = time.monotonic()
             bad = [k for k, v in arrays.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]

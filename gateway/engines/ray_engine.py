@@ -15,9 +15,13 @@ host fits, waits for it).
 
 Addresses. With ``gateway.host`` on loopback, every node must be this machine (a
 ``ray.cluster_utils.Cluster``, or ``ray start`` twice on one host); anything else is refused
-before a service starts. With ``gateway.host: 0.0.0.0`` (and ``gateway.curve_keys``), each
-service binds its node's IP: once Ray has placed a service, the driver writes that IP into
-its ``endpoints.json`` entries before the process starts, so services started later find it.
+before a service starts. A node of this machine started at a loopback IP of its own
+(``ray start --node-ip-address 127.0.0.2``) has its services bind that IP; the others bind
+``gateway.host``. With ``gateway.host: 0.0.0.0`` (and ``gateway.curve_keys``), each
+service binds its node's IP. Once Ray has placed a service (first or after a restart), the
+driver writes the address it will bind into its ``endpoints.json`` entries before the
+process starts: services started later read it there, and running peers that dialled its
+old address follow the file (:mod:`gateway.endpoints`) and reconnect to the new one.
 The run folder must be on storage every node mounts at the same path (logs, spool, replay
 log, checkpoints and ``endpoints.json`` live there), and every node needs the same Python
 environment at the same path.
@@ -25,7 +29,6 @@ environment at the same path.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import ConfigError, ExperimentConfig, Placement
+from gateway.endpoints import write as write_endpoints
 
 log = logging.getLogger("loopgate.ray")
 
@@ -61,6 +65,15 @@ _HOST = re.compile(r"^(tcp|http)://([^:/]+):(\d+)(.*)$")
 
 def _is_loopback(host: str) -> bool:
     return host in {"127.0.0.1", "localhost", "::1"} or host.startswith("127.")
+
+
+def bind_host(gateway_host: str, node_ip: str) -> str:
+    """The host a service placed on the node at ``node_ip`` binds: the node's IP, except
+    that with ``gateway.host`` on loopback a node on a non-loopback IP (this machine's
+    address: :func:`check_cluster` refused other machines) serves on ``gateway.host``."""
+    if _is_loopback(gateway_host) and not _is_loopback(node_ip):
+        return gateway_host
+    return node_ip
 
 
 class RayEngine:
@@ -130,7 +143,10 @@ def check_cluster(cfg: ExperimentConfig, nodes: list[dict[str, Any]], driver_ip:
     if cfg.gateway.transport == "ipc" and len({n["NodeManagerAddress"] for n in nodes}) > 1:
         raise ConfigError("gateway.transport ipc works on one machine only; use tcp on a Ray cluster")
     if _is_loopback(cfg.gateway.host):
-        others = sorted({n["NodeManagerAddress"] for n in nodes} - {driver_ip})
+        # Nodes at loopback IPs of their own (127.0.0.2, ...) are on this machine too.
+        others = sorted(
+            ip for ip in {n["NodeManagerAddress"] for n in nodes} - {driver_ip} if not _is_loopback(ip)
+        )
         if others:
             raise ConfigError(
                 f"gateway.host {cfg.gateway.host!r} is loopback but the Ray cluster has nodes on other hosts "
@@ -221,6 +237,8 @@ class RayLauncher:
     def __init__(self, cfg: ExperimentConfig, run: Any) -> None:
         self.cfg, self.run = cfg, run
         self.rehost = not _is_loopback(cfg.gateway.host)
+        """Whether a service's addresses are known only once Ray has placed it (on loopback
+        they are planned; one that moves to a node of its own loopback IP is followed)."""
 
     def start(self, service: Any, log_path: Path, env: dict[str, str], niceness: int) -> Any:
         from gateway.engines.ray_procs import RankGroup, RayProcess
@@ -253,12 +271,10 @@ class RayLauncher:
 
     def _placed(self, name: str) -> Any:
         def placed(node: dict[str, Any]) -> None:
-            if self.rehost and rehost(self.run.endpoints, name, node["ip"]):
-                path = self.run.run_dir / "endpoints.json"
-                tmp = path.with_name("endpoints.json.new")
-                tmp.write_text(json.dumps(self.run.endpoints, indent=2))
-                os.replace(tmp, path)
-                log.info("%s binds %s: endpoints.json updated", name, node["ip"])
+            host = bind_host(self.cfg.gateway.host, node["ip"])
+            if rehost(self.run.endpoints, name, host):
+                write_endpoints(self.run.run_dir / "endpoints.json", self.run.endpoints)
+                log.info("%s binds %s: endpoints.json updated, its running peers follow it", name, host)
 
         return placed
 
@@ -275,4 +291,13 @@ class RayLauncher:
         return handle.state, handle.describe_node()
 
 
-__all__ = ["RayEngine", "RayLauncher", "actor_options", "bundle", "check_cluster", "rank_argv", "rehost"]
+__all__ = [
+    "RayEngine",
+    "RayLauncher",
+    "actor_options",
+    "bind_host",
+    "bundle",
+    "check_cluster",
+    "rank_argv",
+    "rehost",
+]

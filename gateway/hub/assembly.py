@@ -16,6 +16,7 @@ from typing import Any
 
 from gateway import shm
 from gateway.config import ExperimentConfig, load_config
+from gateway.endpoints import EndpointsFollower
 from gateway.episode import EnvSpec
 from gateway.factory import experiment_spec
 from gateway.hub.core import Gateway
@@ -99,6 +100,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         metrics=MetricsWriter(run_dir / "metrics.jsonl", "gateway"),
         trace=MetricsWriter(run_dir / "trace.jsonl", "gateway", serve=False),
         max_env_steps=max_steps,
+        endpoints=EndpointsFollower(endpoints_path),
     )
     if "gateway" not in endpoints:
         endpoints["gateway"] = gateway.addresses

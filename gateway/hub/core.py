@@ -33,6 +33,7 @@ import zmq
 
 from gateway import steps
 from gateway.config import GatewayConfig
+from gateway.endpoints import EndpointsFollower, follow_all
 from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
 from gateway.hub.accounting import account
@@ -80,8 +81,12 @@ class Gateway:
         trace: MetricsWriter | None = None,
         max_env_steps: int | None = None,
         context: zmq.Context[Any] | None = None,
+        endpoints: EndpointsFollower | None = None,
     ) -> None:
         self.config = config
+        self.endpoints = endpoints
+        """The run's ``endpoints.json``, followed: an inference server or the replay service
+        restarted at another address is dialled there (:mod:`gateway.endpoints`)."""
         self.source = source
         self.recorder = recorder
         self.spec = spec
@@ -555,9 +560,18 @@ class Gateway:
                 self.tick()
                 last_tick = now
             if now - last_metrics >= 1.0:
+                self.follow_endpoints()
                 self.emit_metrics()
                 last_metrics = now
             self.busy_s += time.perf_counter() - turn
+
+    def follow_endpoints(self) -> list[str]:
+        """Re-point the action source and the sink at peers that moved (``endpoints.json``
+        changed); the moves."""
+        moved = self.endpoints.poll() if self.endpoints is not None else None
+        if moved is None:
+            return []
+        return follow_all(moved, self.source, self.recorder.sink)
 
     def emit_metrics(self) -> None:
         status = self.status()

@@ -21,6 +21,7 @@ cannot serve in time; no answer at all within ``timeout_s`` plus a grace period 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -92,12 +93,29 @@ class ReplayClient:
         self.sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         self.sock.rcvhwm = 0
+        self.keys = keys
         connect(self.sock, address, keys)
         self._seq = 0
         self._inflight: deque[tuple[int, float]] = deque()
         """(seq, deadline) of SAMPLE requests sent for the current shape, oldest first."""
         self._shape: tuple[Any, ...] | None = None
         self._early: dict[int, Message] = {}
+
+    def repoint(self, address: str) -> bool:
+        """Dial the service at ``address`` from now on (it restarted on another node:
+        :mod:`gateway.endpoints`); requests in flight to the old one are asked again
+        there. Whether the address changed."""
+        if address == self.address:
+            return False
+        old, self.address = self.address, address
+        with contextlib.suppress(zmq.ZMQError):  # not connected there any more
+            self.sock.disconnect(old)
+        connect(self.sock, address, self.keys)
+        self._inflight.clear()  # their answers would come from the old address: never
+        self._early.clear()
+        self._shape = None
+        log.warning("replay service moved: %s -> %s; sampling there", old, address)
+        return True
 
     # --------------------------------------------------------------- sample
 

@@ -19,6 +19,7 @@ env workers; their steps so far are safe in the gateway's spool::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -62,6 +63,7 @@ class ReplaySink(TrajectorySink):
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self.keys = keys
         connect(self.sock, address, keys)
         self._unacked: OrderedDict[str, tuple[Message, float]] = OrderedDict()
         """Chunk id -> (chunk, monotonic time sent; 0.0 = not sent yet)."""
@@ -137,6 +139,20 @@ class ReplaySink(TrajectorySink):
         # is a bug to fix, not data to drop.
         self.counters["bad"] += 1
         log.error("replay service refused chunk %s: [%s] %s", cid, code, msg.meta.get("message"))
+
+    def follow(self, endpoints: dict[str, Any]) -> list[str]:
+        """Re-point the socket if ``endpoints``' ``replay.ingest`` changed (the service
+        restarted on another node): every unacknowledged chunk is sent there once it
+        connects. The move, in words."""
+        new = (endpoints.get("replay") or {}).get("ingest")
+        if not isinstance(new, str) or new == self.address:
+            return []
+        old, self.address = self.address, new
+        with contextlib.suppress(zmq.ZMQError):  # not connected there any more
+            self.sock.disconnect(old)
+        connect(self.sock, new, self.keys)
+        log.warning("replay ingest moved: %s -> %s; %d chunk(s) go there", old, new, len(self._unacked))
+        return [f"replay ingest: {old} -> {new}"]
 
     def backlog(self) -> int:
         return len(self._unacked)
