@@ -218,3 +218,32 @@ def test_metrics_tail_groups_hops_replay_tables_and_keeps_the_newest_lag_histogr
     assert s["replay_fill/online"]["y"] == [0.25] and s["samples_per_insert/online"]["y"] == [4.0]
     assert s["replay_fill/demos"]["y"] == [0.0] and "samples_per_insert/demos" not in s  # nothing inserted
     assert tail.histograms() == {"policy_lag": {"0": 9, "1": 3}}  # the newest valid one
+
+
+def test_the_event_loop_estop_answers_from_a_real_control_socket_and_times_out_without_one():
+    """``estop_async`` on the server's loop: a real gateway control line (its own thread)
+    answers it; with no gateway behind the address it raises Timeout by its deadline,
+    and the next call works again on a fresh socket."""
+    import asyncio
+
+    import zmq
+
+    from gateway.console.link import GatewayLink
+    from gateway.hub.estop import ControlLine
+    from gateway.hub.state import Collection
+    from gateway.protocol import Timeout
+
+    ctx = zmq.Context.instance()
+    state = Collection()
+    line = ControlLine(ctx, "tcp://127.0.0.1:0", state, sessions=lambda: 0)
+    line.start()
+    link = GatewayLink({"gateway": {"control": line.address, "clients": ""}}, interval_s=1.0)
+    try:
+        reply = asyncio.run(link.estop_async(True, "unit test"))
+        assert reply["estopped"] is True and state.estopped and state.estops == 1
+    finally:
+        line.close()
+    with pytest.raises(Timeout, match="no answer"):
+        asyncio.run(link.estop_async(True, "nobody there", timeout_s=0.3))
+    link._status_client.close()
+    link._stop_client.close()

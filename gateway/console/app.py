@@ -158,17 +158,18 @@ def create_app(console: ConsoleApp) -> FastAPI:
         series = console.metrics.series()
         return JSONResponse({"series": series, "histograms": console.metrics.histograms()})
 
-    # The e-stop path: a plain POST served from the thread pool with its own control
-    # connection; it never waits for the WebSockets, the status poller or a takeover.
+    # The e-stop path: a plain POST served on the event loop with its own control
+    # connection; it never waits for the WebSockets, the status poller, a takeover or a
+    # thread of the pool (the takeover's release runs there, after the answer).
     @app.post("/api/estop")
-    def estop(request: Request, background: BackgroundTasks) -> JSONResponse:
+    async def estop(request: Request, background: BackgroundTasks) -> JSONResponse:
         if (refused := refuse_post(request)) is not None:
             return refused
         role = role_of(request)
         if role is None:
             return _error(401, "not logged in")
         try:
-            reply = console.link.estop(True, f"console ({role})")
+            reply = await console.link.estop_async(True, f"console ({role})")
         except (Timeout, RemoteError) as exc:
             return _error(502, f"the gateway did not take the e-stop: {exc}")
         log.warning("e-stop engaged from the console (%s)", role)
@@ -178,7 +179,7 @@ def create_app(console: ConsoleApp) -> FastAPI:
         return JSONResponse({"estopped": True, "reply": reply})
 
     @app.post("/api/resume")
-    def resume(request: Request) -> JSONResponse:
+    async def resume(request: Request) -> JSONResponse:
         if (refused := refuse_post(request)) is not None:
             return refused
         role = role_of(request)
@@ -187,7 +188,7 @@ def create_app(console: ConsoleApp) -> FastAPI:
         if role != "operator":
             return _error(403, "only an operator can resume")
         try:
-            reply = console.link.estop(False, "console (operator)")
+            reply = await console.link.estop_async(False, "console (operator)")
         except (Timeout, RemoteError) as exc:
             return _error(502, f"the gateway did not take the resume: {exc}")
         log.warning("e-stop lifted from the console")

@@ -1,14 +1,17 @@
 """The console's view of the gateway: its status, polled, and the e-stop path.
 
-Two control connections, never shared: the poller's, which asks for ``status`` every
+Control connections never shared: the poller's, which asks for ``status`` every
 ``status_interval_s`` in its own thread, and the e-stop's, used only for ``estop`` and
-``resume`` under its own lock, so a stop never waits behind a status request (or
-anything else the console does)::
+``resume``, so a stop never waits behind a status request (or anything else the
+console does). The web app's e-stop is :meth:`GatewayLink.estop_async`, on the server's
+event loop itself (an asyncio ZeroMQ socket): no hand-over to a thread pool and back,
+each of which costs a scheduling slice on a loaded machine::
 
     link = GatewayLink(endpoints, interval_s=0.25)
     link.start()
     link.fleet()              # the fleet view's data, from the last status
     link.estop(True, "console: viewer")
+    await link.estop_async(True, "console: viewer")
 """
 
 from __future__ import annotations
@@ -18,8 +21,14 @@ import threading
 import time
 from typing import Any
 
+import asyncio
+
+import zmq
+import zmq.asyncio
+
 from gateway.control_client import ControlClient
-from gateway.protocol import RemoteError, Timeout
+from gateway.protocol import Message, MsgType, RemoteError, Timeout, decode, raise_for_error
+from gateway.protocol.codec import encode
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +42,8 @@ class GatewayLink:
         self._status_client = ControlClient(self.control_address)
         self._stop_client = ControlClient(self.control_address)
         self._stop_lock = threading.Lock()
+        self._async_stop: tuple[asyncio.AbstractEventLoop, asyncio.Lock, zmq.asyncio.Socket] | None = None
+        self._async_seq = 0
         self._lock = threading.Lock()
         self._status: dict[str, Any] = {}
         self._error: str | None = "no status yet"
@@ -51,6 +62,9 @@ class GatewayLink:
         self._status_client.close()
         with self._stop_lock:
             self._stop_client.close()
+        if self._async_stop is not None:
+            self._async_stop[2].close(linger=0)
+            self._async_stop = None
 
     def _poll(self) -> None:
         while not self._quit.is_set():
@@ -108,6 +122,37 @@ class GatewayLink:
             "task": spec.get("name"),
             "workers": workers,
         }
+
+    def _async_line(self) -> tuple[asyncio.Lock, zmq.asyncio.Socket]:
+        loop = asyncio.get_running_loop()
+        if self._async_stop is None or self._async_stop[0] is not loop:
+            if self._async_stop is not None:  # made on another (ended) event loop
+                self._async_stop[2].close(linger=0)
+            sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            sock.linger = 0
+            sock.connect(self.control_address)
+            self._async_stop = (loop, asyncio.Lock(), sock)
+        return self._async_stop[1], self._async_stop[2]
+
+    async def estop_async(self, engaged: bool, reason: str, timeout_s: float = 2.0) -> dict[str, Any]:
+        """:meth:`estop` on the running event loop; :class:`Timeout` after ``timeout_s``."""
+        lock, sock = self._async_line()
+        async with lock:
+            self._async_seq += 1
+            seq = self._async_seq
+            command = Message(MsgType.COMMAND, seq=seq, meta={"cmd": "estop", "engaged": engaged, "reason": reason})
+            await sock.send_multipart(encode(command), copy=False)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await sock.poll(int(left * 1000)):
+                    # A fresh socket next time, so a late answer is not taken for the next one.
+                    sock.close(linger=0)
+                    self._async_stop = None
+                    raise Timeout(f"estop: no answer from {self.control_address} within {timeout_s} s")
+                reply = decode(await sock.recv_multipart(copy=False))
+                if reply.seq == seq:
+                    return raise_for_error(reply).meta
 
     def estop(self, engaged: bool, reason: str) -> dict[str, Any]:
         """Engage or lift the gateway's e-stop (every worker's backend; latched)."""
