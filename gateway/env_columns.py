@@ -29,6 +29,7 @@ from typing import Any, overload
 
 import numpy as np
 
+from gateway import chunk_batch
 from gateway.protocol import Message, MsgType
 from gateway.trajectory import STEP_FIELDS, StepRows, Transitions, chunk_id, episode_id
 
@@ -256,6 +257,59 @@ class EnvColumns:
                 out[g] = (Message(MsgType.TRAJECTORY_CHUNK, meta=meta, arrays=arrays), segments, p)
         self.pos[envs] = 0
         return [o for o in out if o is not None]
+
+    def cut_batch(
+        self,
+        batch_id: str,
+        envs: np.ndarray,
+        ends: Sequence[str | None],
+        final_obs: Mapping[str, np.ndarray] | None = None,
+    ) -> tuple[Message, Counter[int], int] | None:
+        """What :meth:`cut_many` cuts, as one :mod:`~gateway.chunk_batch` message (one
+        gather per array, no loop over the chunks): the batch, the spool segments its
+        steps came from and their number; None when no env of ``envs`` holds steps."""
+        envs = np.asarray(envs, np.int64)
+        held = self.pos[envs]
+        sel = np.flatnonzero(held > 0)
+        if not len(sel):
+            self.pos[envs] = 0
+            return None
+        idx, n = envs[sel], held[sel]
+        total = int(n.sum())
+        starts = np.cumsum(n) - n
+        flat = np.repeat(idx * self.chunk_steps - starts, n) + np.arange(total)
+        assert self.action is not None
+        codes = np.array([chunk_batch.end_code(ends[j]) for j in sel.tolist()], np.int8)
+        final = fobs = None
+        if final_obs:
+            final = np.isin(codes, [chunk_batch.end_code("terminated"), chunk_batch.end_code("truncated")])
+            fobs = {k: np.asarray(v)[sel] for k, v in final_obs.items()}
+        batch = chunk_batch.make_batch(
+            batch_id,
+            self.worker,
+            self.task,
+            obs={k: _rows(v)[flat] for k, v in self.obs.items()},
+            action=_rows(self.action)[flat],
+            scalars=_rows(self.scalars)[flat],
+            env=idx,
+            episode=self.episode[idx],
+            first_step=self.first[idx],
+            num_steps=n,
+            end=codes,
+            eval_flags=self.eval[idx],
+            final=final,
+            final_obs=fobs,
+        )
+        segs = _rows(self.segments)[flat]
+        lo = int(segs.min())
+        segments: Counter[int] = Counter()
+        if lo == int(segs.max()):
+            segments[lo] = total
+        else:
+            values, counts = np.unique(segs, return_counts=True)
+            segments.update(dict(zip(values.tolist(), counts.tolist())))
+        self.pos[envs] = 0
+        return batch, segments, total
 
     def adopt(self, env: int, number: int, rows: StepRows, next_step: int, segments: list[int]) -> None:
         """Take over an open episode rebuilt by the recorder's recovery (its held steps all

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway import chunk_batch
 from gateway.env_columns import EpisodeIds
 from gateway.metrics import Histogram
 from gateway.protocol import Message, MsgType, pack, unpack
@@ -135,6 +137,11 @@ class Recorder(ColumnRecording):
             spool_dir, fsync=fsync, fsync_interval_s=fsync_interval_s, segment_bytes=1 << 62
         )
         self._ready: list[Message] = []
+        self._batches: dict[str, Message] = {}
+        """Chunk batches submitted and not acknowledged yet, by batch id (their chunk ids
+        go into the ``acked`` record once the sink stores them)."""
+        self._batch_prefix = f"b{uuid.uuid4().hex[:12]}"
+        self._batch_seq = 0
         self.spool_error: str | None = None
         """Why the last spool write failed (e.g. "No space left on device"), until one succeeds."""
         self.ack_latency = Histogram()
@@ -286,13 +293,14 @@ class Recorder(ColumnRecording):
     def pump(self) -> int:
         """Submit ready chunks, collect acknowledgements, trim the spool; return acks seen."""
         self.apply_pending()
-        while self._ready:
-            chunk = self._ready.pop(0)
-            self._submitted_at.setdefault(chunk.meta["chunk_id"], time.perf_counter())
+        ready, self._ready = self._ready, []
+        for chunk in ready:
+            bid = chunk.meta.get("batch_id")
+            self._submitted_at.setdefault(bid or chunk.meta["chunk_id"], time.perf_counter())
             self.sink.submit(chunk)
-            self.counters.chunks_submitted += 1
+            self.counters.chunks_submitted += len(chunk.arrays["chunk/env"]) if bid else 1
         acked = self.sink.poll_acks()
-        entries = []
+        entries: list[Any] = []
         for cid in acked:
             entry = self._inflight.pop(cid, None)
             if entry is None:
@@ -302,8 +310,14 @@ class Recorder(ColumnRecording):
                 self.ack_latency.add((time.perf_counter() - submitted) * 1e6)
             _, segs, n = entry
             self._seg_unacked.subtract(segs)
-            entries.append([cid, n])
-            self.counters.chunks_acked += 1
+            batch = self._batches.pop(cid, None)
+            if batch is None:
+                entries.append([cid, n])
+                self.counters.chunks_acked += 1
+            else:  # the restart's bookkeeping knows chunks, not batches
+                ids = chunk_batch.chunk_ids(batch)
+                entries += [[c, k] for c, k in ids]
+                self.counters.chunks_acked += len(ids)
         if entries:
             # Without this record a restart resends those chunks, which the sink stores once.
             self._bookkeeping(Message(MsgType.TRAJECTORY_CHUNK, meta={"kind": "acked", "chunks": entries}))

@@ -14,7 +14,7 @@ sink, chunk ids and chunk boundaries do not tell the two paths apart.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,10 @@ class ColumnRecording:
     closed: OrderedDict[str, int]
     _inflight: dict[str, tuple[str, Counter[int], int]]
     _ready: list[Message]
+    _batches: dict[str, Message]
+    _batch_prefix: str
+    _batch_seq: int
+    sink: Any
     _seg_unacked: Counter[int]
     _pending: list[tuple[Mapping[str, Any], Transitions, int]]
     _append: Callable[[Message], Any]
@@ -109,7 +113,7 @@ class ColumnRecording:
         same = cols.open[envs] & (numbers == cols.episode[envs])
         crossing = envs[same & cols.boundary(envs, step)]
         if len(crossing):
-            self._take_chunks(cols.cut_many(crossing, [None] * len(crossing)))
+            self._cut_envs(cols, crossing, [None] * len(crossing))
         fresh = ~same
         cols.start(envs[fresh], numbers[fresh], meta["flags"][fresh])
         cols.write(envs, steps, segment, meta.get("packed"))
@@ -129,6 +133,28 @@ class ColumnRecording:
             self._inflight[chunk.meta["chunk_id"]] = (chunk.meta["episode_id"], segments, n)
             self._ready.append(chunk)
 
+    def _cut_envs(
+        self,
+        cols: EnvColumns,
+        envs: np.ndarray,
+        ends: Sequence[str | None],
+        final_obs: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        """The held steps of ``envs`` as chunks for the sink: one chunk batch
+        (:mod:`gateway.chunk_batch`) when the sink takes them, else one message each."""
+        if not self.sink.takes_batches:
+            self._take_chunks(cols.cut_many(envs, ends, final_obs))
+            return
+        self._batch_seq += 1
+        cut = cols.cut_batch(f"{self._batch_prefix}-{self._batch_seq}", envs, ends, final_obs)
+        if cut is None:
+            return
+        batch, segments, n = cut
+        bid = batch.meta["batch_id"]
+        self._inflight[bid] = ("", segments, n)
+        self._batches[bid] = batch
+        self._ready.append(batch)
+
     def _end_envs(
         self,
         cols: EnvColumns,
@@ -143,7 +169,7 @@ class ColumnRecording:
         holding = np.flatnonzero(cols.pos[envs] > 0)
         if len(holding):
             rows = {k: np.asarray(v)[holding] for k, v in final_obs.items()} if final_obs else None
-            self._take_chunks(cols.cut_many(envs[holding], [reasons[j] for j in holding.tolist()], rows))
+            self._cut_envs(cols, envs[holding], [reasons[j] for j in holding.tolist()], rows)
         cols.open[envs] = False
         for env in envs.tolist():
             self.closed[cols.episode_id(env)] = int(cols.next_step[env])

@@ -26,6 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from gateway import chunk_batch
 from gateway.protocol import Message
 from gateway.segment_log import FsyncPolicy, ReadReport, SegmentLog
 from gateway.trajectory import Episode, StoreCount, assemble_episodes, count_chunks, validate_chunk
@@ -43,6 +46,11 @@ class TrajectorySink(abc.ABC):
     @abc.abstractmethod
     def poll_acks(self) -> list[str]:
         """Chunk ids stored durably since the last call."""
+
+    takes_batches = False
+    """The sink takes chunk batches (:mod:`gateway.chunk_batch`) through :meth:`submit`
+    and acknowledges each by its ``batch_id``; otherwise the recorder sends every chunk
+    as a message of its own."""
 
     def backlog(self) -> int:
         """Chunks submitted but not yet acknowledged."""
@@ -79,10 +87,17 @@ class EpisodeStore:
         self._log = SegmentLog(self.directory, fsync=fsync, readonly=readonly)
         self._ids: set[str] = set()
         if not readonly:
-            self._ids = {msg.meta["chunk_id"] for msg in self.chunks()}
+            for _, msg in self._log.read():
+                if chunk_batch.is_batch(msg):
+                    self._ids.update(cid for cid, _ in chunk_batch.chunk_ids(msg))
+                else:
+                    self._ids.add(msg.meta["chunk_id"])
 
     def put(self, chunk: Message) -> bool:
-        """Store ``chunk`` unless its id is stored already; return whether it was new."""
+        """Store ``chunk`` (a chunk or a chunk batch) unless its id is stored already; of
+        a batch, the chunks not stored yet. Return whether anything was new."""
+        if chunk_batch.is_batch(chunk):
+            return self._put_batch(chunk)
         validate_chunk(chunk)
         if chunk.meta["chunk_id"] in self._ids:
             return False
@@ -90,12 +105,28 @@ class EpisodeStore:
         self._ids.add(chunk.meta["chunk_id"])
         return True
 
+    def _put_batch(self, batch: Message) -> bool:
+        chunk_batch.validate_batch(batch)
+        ids = [cid for cid, _ in chunk_batch.chunk_ids(batch)]
+        new = [i for i, cid in enumerate(ids) if cid not in self._ids]
+        if not new:
+            return False
+        if len(new) < len(ids):  # part of it stored before a restart
+            batch = chunk_batch.select(batch, np.asarray(new, np.int64))
+        self._log.append(batch)
+        self._ids.update(ids)
+        return True
+
     def commit(self) -> None:
         self._log.commit()
 
     def chunks(self, report: ReadReport | None = None) -> Iterator[Message]:
+        """Every stored chunk, oldest first (a batch's chunks one by one)."""
         for _, msg in self._log.read(report=report):
-            yield msg
+            if chunk_batch.is_batch(msg):
+                yield from chunk_batch.expand(msg)
+            else:
+                yield msg
 
     def count(self) -> StoreCount:
         return count_chunks(self.chunks())
@@ -116,6 +147,7 @@ class StoreSink(TrajectorySink):
     succeeds the sink reports ``blocked`` so the gateway stops collecting."""
 
     RETRY_S = 1.0
+    takes_batches = True
 
     def __init__(self, store: EpisodeStore) -> None:
         self.store = store
@@ -148,7 +180,7 @@ class StoreSink(TrajectorySink):
             self._error = None
             if self._queue.empty():
                 self.store.commit()
-            self._acked.append(chunk.meta["chunk_id"])
+            self._acked.append(chunk.meta.get("batch_id") or chunk.meta["chunk_id"])
 
     def poll_acks(self) -> list[str]:
         acked = []
