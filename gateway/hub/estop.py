@@ -61,6 +61,16 @@ def estop_command(engaged: bool, reason: str, epoch: int) -> Message:
     return Message(MsgType.COMMAND, meta={"cmd": "estop", "engaged": engaged, "reason": reason, "epoch": epoch})
 
 
+def _drain(sock: zmq.Socket[Any], most: int, handle: Callable[[list[Any]], None]) -> None:
+    """Hand up to ``most`` waiting messages of ``sock`` to ``handle``, never blocking."""
+    for _ in range(most):
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        handle(frames)
+
+
 class ControlLine:
     """Owns the control socket on its own thread; see the module docstring."""
 
@@ -109,19 +119,9 @@ class ControlLine:
         while not self._quit.is_set():
             events = dict(poller.poll(POLL_MS))
             if self.front in events:
-                for _ in range(64):
-                    try:
-                        frames = self.front.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._from_peer(frames)
+                _drain(self.front, 64, self._from_peer)
             if self._relay in events:
-                for _ in range(256):
-                    try:
-                        frames = self._relay.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self.front.send_multipart(frames, copy=False)
+                _drain(self._relay, 256, lambda frames: self.front.send_multipart(frames, copy=False))
 
     def _from_peer(self, frames: list[Any]) -> None:
         """An e-stop command is applied here; everything else goes to the loop as it came."""
