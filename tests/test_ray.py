@@ -223,28 +223,39 @@ def collection_config(workers: int = 2, **run: Any) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(240)
-def test_lost_gpu_node_its_services_come_back_elsewhere_and_the_trainer_resumes(cluster, tmp_path):
+def test_lost_gpu_node_its_services_come_back_elsewhere_and_the_trainer_resumes_smaller(cluster, tmp_path):
     """The GPU node holding the inference replica, the replay service, the trainer's two
     ranks and a worker is removed mid-run, after the trainer's first checkpoint: Ray
     declares it dead, every service restarts on a node that fits (a spare GPU node added
-    before the loss, as an autoscaler would), the trainer on a new placement group from its
-    last checkpoint. The spare node has an IP of its own (127.0.0.2: this machine's nodes
-    are otherwise all at one address), so the restarted inference server and replay service
-    really bind other addresses: the driver writes them into endpoints.json and the running
-    gateway follows it there. The run finishes, every acknowledged step is stored exactly
-    once, and the policy version never goes backwards. The replay service shares the GPU
-    node's ``gpu_node`` with the inference replica here (half each), only to be lost with it."""
+    before the loss, as an autoscaler would).
+
+    The spare is smaller: its ``gpu_node`` (1, where the lost node had 3) holds the
+    inference replica and the replay service (0.2 each: they share the GPU node here only
+    to be lost with it) and one trainer rank (0.6), never two, whatever is placed first
+    (Ray's capacities are whole numbers, demands below 1 may be fractions). The trainer's
+    placement group of two ranks finds no room, and after ``trainer.shrink_after_s`` one of
+    a single rank (``trainer.min_nproc: 1``) takes its place: the trainer resumes from its
+    last DCP checkpoint, resharded from two ranks to one.
+
+    The spare node has an IP of its own (127.0.0.2: this machine's nodes are otherwise all
+    at one address), so the restarted inference server and replay service really bind other
+    addresses: the driver writes them into endpoints.json and the running gateway follows
+    it there. The run finishes, every acknowledged step is stored exactly once, and the
+    policy version never goes backwards. The smaller spare stays the module's GPU node."""
     cfg = collection_config(
         placement={
             **PLACEMENT,
-            "inference": {"resources": {"gpu_node": 0.5}},
-            "replay": {"resources": {"gpu_node": 0.5}},
+            "inference": {"resources": {"gpu_node": 0.2}},
+            "replay": {"resources": {"gpu_node": 0.2}},
+            "trainer": {"resources": {"gpu_node": 0.6}},
         }
     )
     cfg["replay"]["tables"][0].update(min_size_to_sample=500, samples_per_insert=32, error_buffer=20000)
     cfg["trainer"] = {
         "enabled": True,
         "nproc": 2,
+        "min_nproc": 1,
+        "shrink_after_s": 3.0,
         "batch_size": 64,
         "publish_every": 10,
         "checkpoint_every": 20,
@@ -268,11 +279,13 @@ def test_lost_gpu_node_its_services_come_back_elsewhere_and_the_trainer_resumes(
         on_lost = [f"worker-{i}" for i in range(2) if on(lost, nodes_of(proc, f"worker-{i}")[0])]
         assert len(on_lost) == 1, placements(proc)
         before = read_endpoints(run / "endpoints.json")
-        spare = cluster.add({**GPU_NODE, "node_ip_address": SPARE_IP})
+        spare = cluster.add(
+            {**GPU_NODE, "resources": {"gpu_node": 1, "cpu_node": 1}, "node_ip_address": SPARE_IP}
+        )
         cluster.remove(lost)
         cluster.gpu = spare
         steps_at_loss = env_steps(run)
-        moved = ("inference-0", "replay", "trainer[0]", "trainer[1]", on_lost[0])
+        moved = ("inference-0", "replay", "trainer[0]", on_lost[0])
         wait_for(
             lambda: all(len(nodes_of(proc, name)) == 2 for name in moved),
             timeout=90,
@@ -283,8 +296,9 @@ def test_lost_gpu_node_its_services_come_back_elsewhere_and_the_trainer_resumes(
         proc.kill()
         raise
     summary = finish(proc, run)
-    for name in ("inference-0", "replay", "trainer[0]", "trainer[1]"):
+    for name in ("inference-0", "replay", "trainer[0]"):
         assert on(spare, nodes_of(proc, name)[1]), (name, placements(proc))
+    assert len(nodes_of(proc, "trainer[1]")) == 1, placements(proc)  # no second rank after the loss
     assert not on(lost, nodes_of(proc, on_lost[0])[1])
     log = output(proc)
     assert "inference-0 exited with signal SIGKILL; restart 1/" in log, log[-3000:]
@@ -305,7 +319,11 @@ def test_lost_gpu_node_its_services_come_back_elsewhere_and_the_trainer_resumes(
     ]
     assert replicas[-1][0]["address"] == lookup(after, "inference", 0, "requests")
     assert any(r[0]["address"] == replicas[-1][0]["address"] and r[0]["up"] for r in replicas)
-    assert "resumed from step-" in (run / "logs" / "trainer.log").read_text()
+    assert "trainer: no room for 2 ranks within 3 s; asking for 1 instead" in log, log[-3000:]
+    assert "trainer: 1 ranks, rendezvous at" in log
+    trainer_log = (run / "logs" / "trainer.log").read_text()
+    after_loss = trainer_log[trainer_log.index("process group: rank 0 of 1") :]
+    assert "resumed from step-" in after_loss, trainer_log[-3000:]
     assert summary["env_steps"] > steps_at_loss
     assert summary["acked_steps"] == summary["stored_steps"]
     assert summary["duplicate_steps"] == 0 and summary["lost_steps"] == 0

@@ -64,6 +64,41 @@ def test_bad_engine_settings_name_the_field(run, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("trainer", "message"),
+    [
+        ({"nproc": 2, "min_nproc": 3}, "trainer.min_nproc must be between 1 and trainer.nproc (2), got 3"),
+        ({"nproc": 2, "min_nproc": 0}, "trainer.min_nproc must be between 1 and trainer.nproc (2), got 0"),
+        (
+            {"nproc": 4, "min_nproc": 2, "batch_size": 8},
+            "trainer.batch_size (8) must divide evenly over every world size from trainer.min_nproc "
+            "to trainer.nproc; it does not over 3",
+        ),
+        ({"nproc": 2, "min_nproc": 1, "shrink_after_s": 0}, "trainer.shrink_after_s must be > 0, got 0"),
+    ],
+)
+def test_bad_elastic_trainer_settings_name_the_field(trainer, message):
+    with pytest.raises(ConfigError) as err:
+        from_dict({"trainer": trainer})
+    assert message in str(err.value)
+
+
+def test_the_trainer_tries_its_world_sizes_largest_first():
+    assert from_dict({"trainer": {"nproc": 4, "min_nproc": 2, "batch_size": 12}}).trainer.world_sizes() == [
+        4,
+        3,
+        2,
+    ]
+    assert from_dict({"trainer": {"nproc": 2}}).trainer.world_sizes() == [2]
+
+
+def test_a_rank_group_refuses_fallback_sizes_it_cannot_shrink_to():
+    from gateway.engines.ray_procs import RankGroup
+
+    with pytest.raises(ValueError, match=r"trainer: smaller world sizes must be in \[1, 1\], got \[2\]"):
+        RankGroup("trainer", [{"CPU": 1}] * 2, "PACK", ["python"], {}, "/dev/null", smaller=[2])
+
+
 def test_actor_options_and_bundles_carry_every_reservation():
     from gateway.config import Placement
     from gateway.engines.ray_engine import actor_options, bundle

@@ -20,6 +20,13 @@ class TrainerConfig:
     """The algorithm's options (e.g. ``gamma`` for SAC)."""
     nproc: int = 1
     """Trainer processes on this machine (``torchrun --nproc_per_node``); FSDP shards over them."""
+    min_nproc: int | None = None
+    """Ray engine: the fewest ranks the trainer may (re)start with when its placement group
+    of ``nproc`` ranks finds no room (a lost node, a smaller spare): it resumes from its last
+    checkpoint, resharded, at the size that fits. None: always ``nproc``."""
+    shrink_after_s: float = 30.0
+    """Ray engine, with ``min_nproc``: how long a placement group may wait for room before
+    one rank fewer is asked for."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: CUDA (NCCL, bf16 mixed precision) when available, else CPU (gloo)."""
     threads: int = 1
@@ -61,6 +68,10 @@ class TrainerConfig:
     seed: int = 0
     """Seed of network initialisation and sampling noise."""
 
+    def world_sizes(self) -> list[int]:
+        """The trainer's world sizes to try, largest first: ``nproc`` down to ``min_nproc``."""
+        return list(range(self.nproc, (self.min_nproc or self.nproc) - 1, -1))
+
     def __post_init__(self) -> None:
         checks = [
             ("nproc", self.nproc >= 1, ">= 1"),
@@ -77,6 +88,7 @@ class TrainerConfig:
             ("final_eval_episodes", self.final_eval_episodes >= 0, ">= 0 (0: no final evaluation)"),
             ("init_timeout_s", self.init_timeout_s > 0, "> 0"),
             ("sample_timeout_s", self.sample_timeout_s > 0, "> 0"),
+            ("shrink_after_s", self.shrink_after_s > 0, "> 0"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -85,6 +97,17 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.batch_size ({self.batch_size}) must divide evenly over trainer.nproc ({self.nproc})"
             )
+        if self.min_nproc is not None:
+            if not 1 <= self.min_nproc <= self.nproc:
+                raise ConfigError(
+                    f"trainer.min_nproc must be between 1 and trainer.nproc ({self.nproc}), got {self.min_nproc}"
+                )
+            uneven = [n for n in self.world_sizes() if self.batch_size % n]
+            if uneven:
+                raise ConfigError(
+                    f"trainer.batch_size ({self.batch_size}) must divide evenly over every world size "
+                    f"from trainer.min_nproc to trainer.nproc; it does not over {uneven[0]}"
+                )
         if not self.tables or any(v <= 0 for v in self.tables.values()):
             raise ConfigError(f"trainer.tables must map table names to positive fractions, got {self.tables}")
         if self.max_policy_lag is not None and self.max_policy_lag < 1:

@@ -247,10 +247,11 @@ class RayLauncher:
         placement = self.cfg.run.placement_for(service.name)
         on_placed = self._placed(service.name)
         if "torch.distributed.run" in service.argv:
-            nproc = self.cfg.trainer.nproc
+            tc = self.cfg.trainer
+            sizes = tc.world_sizes()
             return RankGroup(
                 service.name,
-                [bundle(placement) for _ in range(nproc)],
+                [bundle(placement) for _ in range(sizes[0])],
                 self.cfg.run.trainer_strategy,
                 rank_argv(service.argv),
                 env,
@@ -258,6 +259,8 @@ class RayLauncher:
                 niceness=niceness,
                 label_selector=placement.labels or None,
                 on_placed=on_placed,
+                smaller=sizes[1:],
+                shrink_after_s=tc.shrink_after_s,
             )
         return RayProcess(
             service.name,

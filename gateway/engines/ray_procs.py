@@ -20,7 +20,10 @@ backoff and the stop order stay the supervisor's own:
   rendezvous by ``torch.distributed``'s env:// variables (``MASTER_ADDR`` is rank 0's
   node, ``MASTER_PORT`` a port free there): what ``torchrun`` would set. One rank lost
   ends them all and frees the group; the restart gets a new placement group and the
-  trainer resumes from its last checkpoint.
+  trainer resumes from its last checkpoint. With several world sizes allowed
+  (``trainer.min_nproc``), a group that finds no room within ``trainer.shrink_after_s``
+  is given up for one a rank smaller, down to the smallest: the trainer then resumes at
+  that size (its DCP checkpoint reshards on load).
 """
 
 from __future__ import annotations
@@ -289,24 +292,55 @@ class RankGroup:
         niceness: int = 0,
         label_selector: dict[str, str] | None = None,
         on_placed: Callable[[dict[str, Any]], None] | None = None,
+        smaller: list[int] | None = None,
+        shrink_after_s: float = 30.0,
     ) -> None:
         self.name, self.argv, self.env, self.log_path = name, argv, env, log_path
         self.niceness, self.on_placed = niceness, on_placed
-        self.world_size = len(bundles)
-        self._bundles = bundles
-        kwargs: dict[str, Any] = {
-            "strategy": strategy,
-            "name": f"loopgate-{name}-{os.getpid()}-{time.time_ns()}",
-        }
-        if label_selector:
-            kwargs["bundle_label_selector"] = [dict(label_selector) for _ in bundles]
-        self.pg: PlacementGroup | None = placement_group(bundles, **kwargs)
-        self._pg_ready = self.pg.ready()
+        self.strategy, self.label_selector = strategy, label_selector
+        self.smaller = sorted(smaller or [], reverse=True)
+        """World sizes to fall back to, largest first, when the group finds no room."""
+        if any(not 1 <= n < len(bundles) for n in self.smaller):
+            raise ValueError(f"{name}: smaller world sizes must be in [1, {len(bundles) - 1}], got {smaller}")
+        self.shrink_after_s = shrink_after_s
+        self.pg: PlacementGroup | None = None
+        self._place(bundles)
         self.ranks: list[RayProcess] = []
         self.launched = False
         self.returncode: int | None = None
         self.stopping = False
         self.waiting_since = time.monotonic()
+
+    def _place(self, bundles: list[dict[str, float]]) -> None:
+        """Ask Ray for a placement group of ``bundles`` (one per rank)."""
+        self.world_size = len(bundles)
+        self._bundles = bundles
+        kwargs: dict[str, Any] = {
+            "strategy": self.strategy,
+            "name": f"loopgate-{self.name}-{os.getpid()}-{time.time_ns()}",
+        }
+        if self.label_selector:
+            kwargs["bundle_label_selector"] = [dict(self.label_selector) for _ in bundles]
+        self.pg = placement_group(bundles, **kwargs)
+        self._pg_ready = self.pg.ready()
+        self.placing_since = time.monotonic()
+
+    def _shrink(self) -> None:
+        """No room for this group for ``shrink_after_s``: give it up for one of the next
+        smaller world size."""
+        size = self.smaller.pop(0)
+        log.warning(
+            "%s: no room for %d ranks within %.0f s; asking for %d instead (trainer.min_nproc), "
+            "the trainer resumes from its last checkpoint at that size",
+            self.name,
+            self.world_size,
+            self.shrink_after_s,
+            size,
+        )
+        if self.pg is not None:
+            with contextlib.suppress(RayError, ValueError):
+                remove_placement_group(self.pg)
+        self._place(self._bundles[:size])
 
     @property
     def pid(self) -> int | None:
@@ -330,6 +364,8 @@ class RankGroup:
         try:
             if not self.ranks:
                 if not _ready(self._pg_ready):
+                    if self.smaller and time.monotonic() - self.placing_since >= self.shrink_after_s:
+                        self._shrink()
                     return None
                 if self.stopping:
                     return self._end(-int(signal.SIGTERM))
