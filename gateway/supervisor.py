@@ -500,8 +500,11 @@ def main(argv: list[str] | None = None) -> int:
                 with contextlib.suppress(Timeout):
                     status = control.request("status", timeout_s=2.0)
                 autoscaler.tick(sup, status, metrics)
-                view.update(status, sup.describe(), {})
+                scaling = autoscaler.describe()
+                view.update(status, sup.describe(), scaling)
                 record = {k: v for k, v in status.items() if k not in ("spec", "rtt", "workers")}
+                if scaling:
+                    record["autoscaler"] = {**autoscaler.last, "p99_mark_ms": autoscaler.p99_mark_ms}
                 metrics.emit({"services": {p["name"]: p["state"] for p in sup.describe()}, **record})
                 # A run with a finishing service (the trainer) ends when it finishes; the
                 # step budget only stops collection (and the trainer, which then finishes).
@@ -569,6 +572,7 @@ def drain(
     except (Timeout, RemoteError) as exc:
         log.error("gateway did not drain (%s); counting what reached the store", exc)
         return status
+
 
 if __name__ == "__main__":
     sys.exit(main())

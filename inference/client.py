@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,29 @@ RETRYABLE = {ErrorCode.DEADLINE_EXCEEDED.value, ErrorCode.UNAVAILABLE.value}
 STALE_WAIT_S = 30.0
 """How long the gateway waits for a server at the newest version before it accepts that
 every server is behind it (a rollback) and acts with the newest one they serve."""
+LATENCY_WINDOW_S = 5.0
+"""The request latencies :meth:`InferenceSource.describe`'s p99 is taken over: the recent
+past, so the autoscaler sees the load now, not the run's history."""
 Result = tuple[Any, np.ndarray | None, np.ndarray | None, str | None]
+
+
+class LatencyWindow:
+    """Request latencies of the last ``window_s`` seconds (at most ``maxlen`` of them)."""
+
+    def __init__(self, window_s: float = LATENCY_WINDOW_S, maxlen: int = 4096) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=maxlen)
+
+    def add(self, now: float, latency_s: float) -> None:
+        self._samples.append((now, latency_s))
+
+    def p99_ms(self, now: float) -> float | None:
+        """The 99th percentile in milliseconds, or ``None`` when nothing was answered lately."""
+        while self._samples and now - self._samples[0][0] > self.window_s:
+            self._samples.popleft()
+        if not self._samples:
+            return None
+        return float(np.percentile([s for _, s in self._samples], 99)) * 1e3
 
 
 @dataclass
@@ -77,13 +100,15 @@ class Replica:
     last_ping: float = 0.0
     version: int = 0
     queue_rows: int = 0
-    inflight: dict[int, tuple[Pending, float]] = field(default_factory=dict)
-    """Attempt seq -> (request, attempt deadline)."""
+    inflight: dict[int, tuple[Pending, float, float]] = field(default_factory=dict)
+    """Attempt seq -> (request, attempt deadline, monotonic time sent)."""
     rows: int = 0
     answered: int = 0
     downs: int = 0
+    latency: LatencyWindow = field(default_factory=LatencyWindow)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, now: float | None = None) -> dict[str, Any]:
+        p99 = self.latency.p99_ms(time.monotonic() if now is None else now)
         return {
             "address": self.address,
             "up": self.up,
@@ -91,6 +116,7 @@ class Replica:
             "inflight_rows": self.rows,
             "answered": self.answered,
             "downs": self.downs,
+            "latency_p99_ms": None if p99 is None else round(p99, 3),
         }
 
 
@@ -131,6 +157,8 @@ class InferenceSource(ActionSource):
         its initial weights) gets no requests until it catches up, so the acting policy never
         goes back (unless every replica stays behind for ``STALE_WAIT_S``: a rollback)."""
         self._all_behind_since: float | None = None
+        self.latency = LatencyWindow()
+        """Every replica's answers together: the latency the gateway sees (autoscaling)."""
         for target in targets:
             self.add_replica(target)
 
@@ -212,11 +240,15 @@ class InferenceSource(ActionSource):
         return max((r.version for r in self.replicas), default=0)
 
     def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        p99 = self.latency.p99_ms(now)
         return {
             "kind": "inference",
             "version": self.version,
-            "replicas": [r.describe() for r in self.replicas],
+            "replicas": [r.describe(now) for r in self.replicas],
             "waiting": len(self.waiting),
+            "latency_p99_ms": None if p99 is None else round(p99, 3),
+            "deadline_ms": self.deadline_s * 1e3,
             **self.counters,
         }
 
@@ -285,7 +317,7 @@ class InferenceSource(ActionSource):
             if self._send(replica, msg):
                 pending.attempts += 1
                 pending.tried.add(replica.index)
-                replica.inflight[self._seq] = (pending, attempt_deadline)
+                replica.inflight[self._seq] = (pending, attempt_deadline, now)
                 replica.rows += pending.rows
                 return
             self._mark_down(replica, "its socket is not connected")
@@ -317,8 +349,14 @@ class InferenceSource(ActionSource):
             if entry is None:
                 self.counters["late_dropped"] += 1
                 continue
-            pending, _ = entry
+            pending, _, sent = entry
             replica.rows -= pending.rows
+            code = msg.meta.get("code") if msg.type is MsgType.ERROR else None
+            if msg.type is MsgType.ACTION or code == ErrorCode.DEADLINE_EXCEEDED.value:
+                # An answer past its deadline is the overload the autoscaler must see too.
+                now = time.monotonic()
+                replica.latency.add(now, now - sent)
+                self.latency.add(now, now - sent)
             if msg.type is MsgType.ACTION and replica.version < self.newest_seen:
                 # Acted with an older policy than one already out: ask a current server.
                 self.counters["stale_dropped"] += 1
@@ -357,7 +395,7 @@ class InferenceSource(ActionSource):
             )
         replica.up = False
         inflight, replica.inflight, replica.rows = replica.inflight, {}, 0
-        for pending, _ in inflight.values():
+        for pending, _, _ in inflight.values():
             self._retry(pending, f"{replica.address} went down")
 
     def _flush_waiting(self) -> None:
@@ -376,7 +414,7 @@ class InferenceSource(ActionSource):
             # The server answers an expired request with deadline_exceeded; past a
             # grace period it will not answer at all.
             grace = self.replica_timeout_s
-            for seq, (pending, attempt_deadline) in list(replica.inflight.items()):
+            for seq, (pending, attempt_deadline, _) in list(replica.inflight.items()):
                 if now > attempt_deadline + grace:
                     del replica.inflight[seq]
                     replica.rows -= pending.rows

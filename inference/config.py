@@ -54,6 +54,11 @@ class InferenceConfig:
     scale_up_rows: float = 64.0
     """Autoscaling: one more replica when the rows the gateway has in flight or waiting, per
     live replica, stay above this for ``scale_window_s``; one fewer below a quarter of it."""
+    scale_up_p99: float | None = 1.0
+    """Autoscaling: one more replica also when the p99 latency of the gateway's requests
+    (the last few seconds, every replica together) stays above this fraction of
+    ``deadline_ms`` for ``scale_window_s``; one fewer only when it is below half of it as
+    well as the queue below its mark. None: the queue alone decides."""
     scale_window_s: float = 5.0
     """Autoscaling: how long the queue must stay above (or below) its mark before a change."""
     scale_cooldown_s: float = 15.0
@@ -117,6 +122,10 @@ class InferenceConfig:
         for name in ("scale_up_rows", "scale_window_s", "scale_cooldown_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"inference.{name} must be > 0, got {getattr(self, name)}")
+        if self.scale_up_p99 is not None and not self.scale_up_p99 > 0:
+            raise ConfigError(
+                f"inference.scale_up_p99 must be > 0 (a fraction of deadline_ms) or null, got {self.scale_up_p99}"
+            )
         positive = {"replicas": self.replicas, "max_batch": self.max_batch}
         for name, value in positive.items():
             if value < 1:

@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,69 @@ from tests.conftest import REPO, time_left, wait_for
         ),
         ({"max_replicas": 2, "scale_up_rows": 0}, "inference.scale_up_rows must be > 0, got 0"),
         ({"max_replicas": 2, "scale_window_s": -1}, "inference.scale_window_s must be > 0"),
+        (
+            {"max_replicas": 2, "scale_up_p99": 0},
+            "inference.scale_up_p99 must be > 0 (a fraction of deadline_ms) or null, got 0",
+        ),
     ],
 )
 def test_bad_autoscaling_settings_name_the_field(inference, message):
     with pytest.raises(ConfigError) as err:
         from_dict({"inference": {"enabled": True, **inference}})
     assert message in str(err.value)
+
+
+@pytest.mark.unit
+def test_replicas_are_added_for_a_long_queue_or_a_p99_past_its_mark_and_removed_only_when_both_are_low():
+    from gateway.engines.autoscale import latency_p99_ms, pressure
+
+    # rows mark 64, p99 mark 50 ms
+    assert pressure(100.0, 10.0, 64.0, 50.0) == ("queue", False)
+    assert pressure(10.0, 80.0, 64.0, 50.0) == ("p99", False)  # short queues, too slow for the deadline
+    assert pressure(10.0, 30.0, 64.0, 50.0) == (None, False)  # neither: no change either way
+    assert pressure(10.0, 20.0, 64.0, 50.0) == (None, True)
+    assert pressure(10.0, None, 64.0, 50.0) == (None, True)  # nothing answered lately
+    assert pressure(10.0, 80.0, 64.0, None) == (None, True)  # scale_up_p99: null, the queue alone
+    assert latency_p99_ms({"policy": {"latency_p99_ms": 12.5}}) == 12.5
+    assert latency_p99_ms({"policy": {"latency_p99_ms": None}}) is None
+    assert latency_p99_ms({}) is None
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+def test_the_gateway_measures_its_requests_p99_latency_over_the_last_seconds():
+    """A stand-in server (a real ROUTER) that answers every request 50 ms late: the
+    source's p99, overall and for the replica, is at least that; the deadline it is
+    measured against travels with it."""
+    from inference.client import InferenceSource, LatencyWindow
+    from tests.test_inference_client import FakeServer, obs, run_until
+
+    server = FakeServer()
+    source = InferenceSource([server.address], heartbeat_s=0.02, replica_timeout_s=5.0, deadline_ms=2000)
+    try:
+        run_until(source, [server], lambda: source.results() == [] and source.replicas[0].up, "server up")
+        assert source.describe()["latency_p99_ms"] is None  # no answer yet
+        got: list = []
+        for i in range(5):
+            source.submit(i, obs(), deadline=1e12)
+            run_until(source, [server], lambda: bool(server.requests), "a request")
+            time.sleep(0.05)
+            server.answer()
+            run_until(
+                source, [server], lambda n=i + 1: got.extend(source.results()) or len(got) == n, "the answer"
+            )
+        described = source.describe()
+        assert described["latency_p99_ms"] >= 50.0 and described["deadline_ms"] == 2000.0
+        assert described["replicas"][0]["latency_p99_ms"] >= 50.0
+    finally:
+        source.close()
+        server.close()
+    window = LatencyWindow(window_s=5.0)
+    window.add(0.0, 0.2)
+    window.add(4.0, 0.01)
+    assert window.p99_ms(4.5) == pytest.approx(198.1)
+    assert window.p99_ms(6.0) == pytest.approx(10.0)  # the old answer left the window
+    assert window.p99_ms(20.0) is None
 
 
 @pytest.mark.unit
@@ -160,5 +218,70 @@ def test_inference_replicas_follow_the_queue_and_the_balancer_follows_them(tmp_p
     assert changes[-1]["stopped"] == "inference-1" and changes[-1]["replicas"] == 1
     assert "autoscaled inference 1 -> 2" in log and "autoscaled inference 2 -> 1" in log
     assert summary["inference"]["inference-1"]["requests"] > 0
+    assert summary["acked_steps"] == summary["stored_steps"] == summary["env_steps"]
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_a_p99_latency_past_its_mark_starts_a_replica_though_the_queue_is_short(tmp_path):
+    """One worker never fills a queue (``scale_up_rows`` far above what it can keep in
+    flight), but the latency mark is set below any real request's (``scale_up_p99`` of a
+    1 s deadline: 0.1 ms): the autoscaler starts a second replica for the p99 alone, says
+    so in its log and its ``metrics.jsonl`` record, and ``loopgate up``'s records carry the
+    latency it acted on. Every step stays accounted for."""
+    cfg = {
+        "env": {"backend": "mujoco_reach", "workers": 1, "num_envs": 4, "seed": 9},
+        "policy": {"kind": "inference"},
+        "inference": {
+            "enabled": True,
+            "backend": "torch",
+            "network": {"hidden_sizes": [32, 32]},
+            "replicas": 1,
+            "max_replicas": 2,
+            "deadline_ms": 1000.0,
+            "scale_up_rows": 1_000_000,
+            "scale_up_p99": 0.0001,
+            "scale_window_s": 1.0,
+            "scale_cooldown_s": 1.0,
+        },
+    }
+    config = tmp_path / "p99.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "run"
+    out = open(tmp_path / "up.log", "w")  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "up", str(config), "--run-dir", str(run)],
+        cwd=REPO,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    out.close()
+    try:
+        wait_for(
+            lambda: len(replicas_seen(run)) == 2 and replicas_seen(run)[1]["answered"] > 20,
+            timeout=120,
+            interval=0.2,
+            what="a second replica, started for its latency, answering the gateway",
+        )
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=time_left())
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    log = (tmp_path / "up.log").read_text()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outcome"] == "interrupted", log[-3000:]
+    changes = [r["autoscale"] for r in read_metrics(run / "metrics.jsonl") if "autoscale" in r]
+    first = changes[0]
+    assert first["started"] == "inference-1" and first["reason"] == "p99", changes
+    assert first["p99_ms"] > first["p99_mark_ms"] == pytest.approx(0.1)
+    assert first["rows_per_replica"] < 1_000_000
+    assert "autoscaled inference 1 -> 2 (started inference-1, p99;" in log
+    seen = [r["autoscaler"] for r in up_records(run) if "autoscaler" in r]
+    assert seen and seen[-1]["replicas"] == 2 and seen[-1]["p99_mark_ms"] == pytest.approx(0.1)
     assert summary["acked_steps"] == summary["stored_steps"] == summary["env_steps"]
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0

@@ -5,9 +5,12 @@
 flight on each live replica, requests waiting for one) and
 
 - starts the next replica when the rows per live replica stay above
-  ``inference.scale_up_rows`` for ``inference.scale_window_s``;
-- stops the highest-numbered one (never below ``inference.replicas``) when they stay below
-  a quarter of it as long;
+  ``inference.scale_up_rows`` for ``inference.scale_window_s``, or when the p99 latency of
+  the gateway's requests (its last few seconds, every replica together) stays above
+  ``inference.scale_up_p99`` times ``inference.deadline_ms`` as long: replicas that keep
+  queues short can still be too slow for the deadline (a slow GPU, large batches);
+- stops the highest-numbered one (never below ``inference.replicas``) when the rows stay
+  below a quarter of their mark and the p99 below half of its mark as long;
 - waits ``inference.scale_cooldown_s`` after each change.
 
 Every replica's addresses are planned at the start (``endpoints.json`` lists
@@ -15,8 +18,10 @@ Every replica's addresses are planned at the start (``endpoints.json`` lists
 gateway's load balancer already heartbeats every slot: a started replica joins it as soon
 as it answers (once it serves the newest policy version: the trainer's next publication
 reaches it), a stopped one is marked down and its requests retried elsewhere. The
-trainer's publications skip slots with no server. Each change is logged and appended to
-``metrics.jsonl`` as ``{"autoscale": {...}}``; the status table shows the replicas.
+trainer's publications skip slots with no server. Each change is logged with its reason
+(``queue`` or ``p99``) and appended to ``metrics.jsonl`` as ``{"autoscale": {...}}``; the
+status table shows the replicas and the latency against its mark (:meth:`Autoscaler.describe`),
+and ``loopgate up``'s metrics records carry it as ``autoscaler``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,24 @@ def queue_rows(status: dict[str, Any], rows_per_request: int) -> tuple[float, in
     return rows / max(1, len(replicas)), len(replicas)
 
 
+def latency_p99_ms(status: dict[str, Any]) -> float | None:
+    """The p99 latency of the gateway's inference requests (ms) from its status; ``None``
+    when nothing was answered lately."""
+    value = (status.get("policy") or {}).get("latency_p99_ms")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def pressure(
+    load: float, p99_ms: float | None, rows_mark: float, p99_mark_ms: float | None
+) -> tuple[str | None, bool]:
+    """Why more replicas are needed (``"queue"``, ``"p99"`` or ``None``), and whether fewer
+    would do (both signals well below their marks)."""
+    slow = p99_mark_ms is not None and p99_ms is not None and p99_ms > p99_mark_ms
+    up = "queue" if load > rows_mark else ("p99" if slow else None)
+    fast = p99_mark_ms is None or p99_ms is None or p99_ms < p99_mark_ms / 2
+    return up, load < rows_mark / 4 and fast
+
+
 def plan_replica(cfg: ExperimentConfig, run: Any, index: int) -> Any:
     """Replica ``index``'s service, planned as ``loopgate up`` planned the first ones."""
     module, _, attr = REPLICA_SERVICE.partition(":")
@@ -63,6 +86,14 @@ class Autoscaler:
         self.below_since: float | None = None
         self.last_change = time.monotonic()
         self.changes = 0
+        self.p99_mark_ms = (
+            icfg.scale_up_p99 * icfg.deadline_ms
+            if icfg is not None and icfg.scale_up_p99 is not None
+            else None
+        )
+        """The latency above which a replica is added (``scale_up_p99`` of the deadline)."""
+        self.last: dict[str, Any] = {}
+        """What the last tick saw (:meth:`describe`)."""
 
     def running(self, sup: Any) -> list[int]:
         return sorted(int(m.group(1)) for name in sup.procs if (m := _REPLICA.match(name)))
@@ -76,9 +107,12 @@ class Autoscaler:
         assert icfg is not None
         now = time.monotonic()
         load, live = queue_rows(status, self.cfg.env.num_envs)
+        p99 = latency_p99_ms(status)
         mark = icfg.scale_up_rows
-        self.above_since = (self.above_since or now) if load > mark else None
-        self.below_since = (self.below_since or now) if load < mark / 4 else None
+        reason, idle = pressure(load, p99, mark, self.p99_mark_ms)
+        self.last = {"replicas": len(self.running(sup)), "rows_per_replica": round(load, 1), "p99_ms": p99}
+        self.above_since = (self.above_since or now) if reason else None
+        self.below_since = (self.below_since or now) if idle else None
         if now - self.last_change < icfg.scale_cooldown_s:
             return None
         running = self.running(sup)
@@ -88,14 +122,14 @@ class Autoscaler:
             if free:
                 service = plan_replica(self.cfg, self.run, free[0])
                 sup.start(sup.add(service))
-                change = {"started": service.name}
+                change = {"started": service.name, "reason": reason}
         elif self.below_since is not None and now - self.below_since >= icfg.scale_window_s:
             extra = [i for i in running if i >= icfg.replicas]
             if extra:
                 name = f"inference-{extra[-1]}"
                 sup.stop([name], timeout_s=self.cfg.run.drain_timeout_s)
                 sup.remove(name)
-                change = {"stopped": name}
+                change = {"stopped": name, "reason": "idle"}
         if change is None:
             return None
         self.last_change, self.above_since, self.below_since = now, None, None
@@ -106,16 +140,36 @@ class Autoscaler:
                 "previous": len(running),
                 "rows_per_replica": round(load, 1),
                 "live": live,
+                "p99_ms": p99,
+                "p99_mark_ms": self.p99_mark_ms,
             }
         )
+        self.last["replicas"] = change["replicas"]
         log.info(
-            "autoscaled inference %d -> %d (%s; %.1f rows in flight per live replica, mark %.0f)",
+            "autoscaled inference %d -> %d (%s, %s; %.1f rows in flight per live replica, mark %.0f; "
+            "p99 %s ms, mark %s ms)",
             change["previous"],
             change["replicas"],
             f"started {change['started']}" if "started" in change else f"stopped {change['stopped']}",
+            change["reason"],
             load,
             mark,
+            "-" if p99 is None else f"{p99:.1f}",
+            "-" if self.p99_mark_ms is None else f"{self.p99_mark_ms:.0f}",
         )
         if metrics is not None:
             metrics.emit({"autoscale": change})
         return change
+
+    def describe(self) -> dict[str, Any]:
+        """The replicas and the signals the last tick saw, for the status table and
+        ``loopgate up``'s metrics; empty without autoscaling."""
+        if not self.enabled or not self.last:
+            return {}
+        p99 = self.last["p99_ms"]
+        p99_text = "-" if p99 is None else f"{p99:.0f}"
+        mark = "" if self.p99_mark_ms is None else f"/{self.p99_mark_ms:.0f}"
+        return {
+            "inference": f"{self.last['replicas']} replica(s), p99 {p99_text}{mark} ms, "
+            f"{self.last['rows_per_replica']} rows/replica, {self.changes} change(s)"
+        }
