@@ -7,7 +7,9 @@ it, and a worker may run there), node 3 the host of robot ``arm0`` (``robot_arm0
 ``loopgate/host=arm0``). Everything else is real: ``loopgate up --ray ADDRESS`` as a
 process, one Ray actor per service, each service its own process with its own ZeroMQ
 sockets, MuJoCo workers, the inference server, the replay service, FSDP over gloo.
-One cluster serves the whole module; the tests that remove nodes add them back.
+One cluster serves the whole module; the tests that remove nodes add them back, at
+loopback IPs of their own (127.0.0.2, 127.0.0.3: this machine's other nodes all share its
+one address), so the services that move there really bind other addresses.
 """
 
 from __future__ import annotations
@@ -333,6 +335,72 @@ def test_lost_gpu_node_its_services_come_back_elsewhere_and_the_trainer_resumes_
     published = [r["version"] for r in records if r.get("service") == "trainer" and "version" in r]
     assert published == sorted(published), "the resumed trainer published an older version"
     assert summary["policy_version"] == published[-1] >= max(seen)
+
+
+@pytest.mark.timeout(180)
+def test_a_running_trainer_and_gateway_follow_the_replay_service_to_its_new_node(cluster, tmp_path):
+    """The replay service runs on the robot host here (only so that its node can be lost
+    alone: ``robot_arm0`` stands for nothing else in this test); the trainer (one rank, on
+    the GPU node) and the gateway keep running. The node is removed and a new one with the
+    same resource joins at an IP of its own (127.0.0.3): the replay service restarts there
+    at a new address, the driver writes it into endpoints.json, and the running trainer
+    samples from it and the running gateway delivers to it. The trainer is never
+    restarted, its updates go on past the move, every acknowledged step is stored once."""
+    cfg = collection_config(
+        placement={**PLACEMENT, "replay": {"num_cpus": 1, "resources": {"robot_arm0": 1}}},
+    )
+    cfg["policy"] = {"kind": "reach_pd"}
+    del cfg["inference"]
+    cfg["replay"]["tables"][0].update(min_size_to_sample=500, samples_per_insert=32, error_buffer=20000)
+    cfg["trainer"] = {
+        "enabled": True,
+        "nproc": 1,
+        "batch_size": 64,
+        "publish_every": 10,
+        "checkpoint_every": 20,
+        "eval_every": 0,
+        "final_eval_episodes": 0,
+        "max_updates": 120,
+    }
+    cfg["run"]["max_env_steps"] = 10_000_000
+    run = tmp_path / "run"
+    proc = up(cluster, write(tmp_path, cfg), run)
+    try:
+        wait_for(
+            lambda: (run / "checkpoints" / "latest").exists(),
+            timeout=120,
+            interval=0.2,
+            what="the trainer's first checkpoint",
+        )
+        assert [on(cluster.robot, n) for n in nodes_of(proc, "replay")] == [True], placements(proc)
+        before = lookup(read_endpoints(run / "endpoints.json"), "replay", "sample")
+        updates_at_move = trainer_updates(run)
+        cluster.remove(cluster.robot)
+        cluster.robot = cluster.add({**ROBOT_HOST, "node_ip_address": "127.0.0.3"})
+        wait_for(
+            lambda: len(nodes_of(proc, "replay")) == 2,
+            timeout=60,
+            interval=0.2,
+            what="the replay service placed on the new node",
+        )
+    except BaseException:
+        proc.kill()
+        raise
+    summary = finish(proc, run)
+    after = lookup(read_endpoints(run / "endpoints.json"), "replay", "sample")
+    assert after == str(before).replace("127.0.0.1", "127.0.0.3") != before
+    trainer_log = (run / "logs" / "trainer.log").read_text()
+    assert f"replay service moved: {before} -> {after}" in trainer_log, trainer_log[-3000:]
+    assert "replay ingest moved:" in (run / "logs" / "gateway.log").read_text()
+    assert len(nodes_of(proc, "trainer")) == 1 and "trainer exited" not in output(proc)
+    assert trainer_updates(run) == 120 > updates_at_move
+    assert summary["acked_steps"] == summary["stored_steps"]
+    assert summary["duplicate_steps"] == 0 and summary["lost_steps"] == 0
+
+
+def trainer_updates(run: Path) -> int:
+    records = read_metrics(run / "metrics.jsonl")
+    return max((int(r.get("updates", 0)) for r in records if r.get("service") == "trainer"), default=0)
 
 
 @pytest.mark.timeout(180)
