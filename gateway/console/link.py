@@ -16,12 +16,11 @@ each of which costs a scheduling slice on a loaded machine::
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from typing import Any
-
-import asyncio
 
 import zmq
 import zmq.asyncio
@@ -140,7 +139,9 @@ class GatewayLink:
         async with lock:
             self._async_seq += 1
             seq = self._async_seq
-            command = Message(MsgType.COMMAND, seq=seq, meta={"cmd": "estop", "engaged": engaged, "reason": reason})
+            command = Message(
+                MsgType.COMMAND, seq=seq, meta={"cmd": "estop", "engaged": engaged, "reason": reason}
+            )
             await sock.send_multipart(encode(command), copy=False)
             deadline = time.monotonic() + timeout_s
             while True:

@@ -58,10 +58,12 @@ def bus_address(control: str) -> str:
 
 
 def estop_command(engaged: bool, reason: str, epoch: int) -> Message:
-    return Message(MsgType.COMMAND, meta={"cmd": "estop", "engaged": engaged, "reason": reason, "epoch": epoch})
+    return Message(
+        MsgType.COMMAND, meta={"cmd": "estop", "engaged": engaged, "reason": reason, "epoch": epoch}
+    )
 
 
-def _drain(sock: zmq.Socket[Any], most: int, handle: Callable[[list[Any]], None]) -> None:
+def _drain(sock: zmq.Socket[Any], most: int, handle: Callable[[list[Any]], object]) -> None:
     """Hand up to ``most`` waiting messages of ``sock`` to ``handle``, never blocking."""
     for _ in range(most):
         try:
