@@ -262,6 +262,40 @@ class Recorder(ColumnRecording):
         while len(self.closed) > CLOSED_MEMORY:
             self.closed.popitem(last=False)
 
+    def flush(self, next_obs: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> int:
+        """Cut every open episode's held steps into a chunk now (not a final one): the
+        end of an on-policy round, so the sink gets every step collected so far.
+
+        ``next_obs[worker][key]`` [K, ...] is the observation each env of ``worker`` waits
+        in (its last step's next one): it travels with the chunk as ``boot_obs/<key>``
+        [1, ...], so the last step can bootstrap. A ``flush`` spool record comes first:
+        a restart cuts the same chunks again (same ids). Returns the steps cut; raises
+        ``OSError`` (and cuts nothing) if the spool refuses the record."""
+        self.apply_pending()
+        self._append(Message(MsgType.TRAJECTORY_CHUNK, meta={"kind": "flush"}))
+        boot = next_obs or {}
+        cut = 0
+        for ep in list(self.open.values()):
+            if not len(ep.rows):
+                continue
+            cut += len(ep.rows)
+            env, rows = ep.rows.env, boot.get(ep.rows.worker)
+            self._cut(ep, len(ep.rows))
+            if rows:
+                self._ready[-1].arrays.update(_boot(rows, env))
+        for uid, cols in self.columns.items():
+            envs = np.flatnonzero(cols.open & (cols.pos > 0))
+            if not len(envs):
+                continue
+            cut += int(cols.pos[envs].sum())
+            chunks = cols.cut_many(envs, [None] * len(envs))
+            waiting = boot.get(uid)
+            if waiting:
+                for chunk, _, _ in chunks:
+                    chunk.arrays.update(_boot(waiting, chunk.meta["env"]))
+            self._take_chunks(chunks)
+        return cut
+
     def interrupt(self, worker: str | None = None) -> int:
         """Close every open episode (of ``worker``, or all) as interrupted; keep their steps."""
         self.apply_pending()
@@ -394,6 +428,7 @@ class Recorder(ColumnRecording):
         """Rebuild open episodes and unacknowledged chunks from the spool."""
         pending_ends: dict[str, tuple[str, dict[str, np.ndarray] | None]] = {}
         acked: dict[str, int] = {}
+        splits: dict[str, set[int]] = {}
         first = True
         records = 0
         for pos, msg in self._spool.read():
@@ -428,6 +463,11 @@ class Recorder(ColumnRecording):
             elif kind == "acked":
                 for cid, n in msg.meta["chunks"]:
                     acked[cid] = int(n)
+            elif kind == "flush":  # every open episode's held steps were cut here
+                self.apply_pending()
+                for e, ep in self.open.items():
+                    if len(ep.rows):
+                        splits.setdefault(e, set()).add(ep.next_step)
             first = False
         # Drop acknowledged steps, then re-cut chunks on the same boundaries as before.
         acked_ranges: dict[str, list[tuple[int, int]]] = {}
@@ -442,13 +482,19 @@ class Recorder(ColumnRecording):
             self._seg_unacked.subtract(Counter(gone))
             ep.rows = ep.rows.select(keep)
             ep.segments = [ep.segments[i] for i in keep]
-            # Every complete block but the newest becomes a chunk again.
-            while len(ep.rows) and (int(ep.rows.scalars["step"][-1]) // self.chunk_steps) != (
-                ep.rows.first_step // self.chunk_steps
-            ):
-                block = ep.rows.first_step // self.chunk_steps
-                n = sum(1 for s in ep.rows.scalars["step"] if int(s) // self.chunk_steps == block)
-                self._cut(ep, n)
+            # Every complete block but the newest becomes a chunk again, cut where a
+            # flush cut it before.
+            cuts = sorted(splits.get(episode, ()))
+            while len(ep.rows):
+                lo, hi = ep.rows.first_step, int(ep.rows.scalars["step"][-1])
+                block = lo // self.chunk_steps
+                size = sum(1 for s in ep.rows.scalars["step"] if int(s) // self.chunk_steps == block)
+                flushed = [s - lo for s in cuts if lo < s <= hi + 1 and s - lo <= size]
+                if flushed:
+                    size = flushed[0]
+                elif hi // self.chunk_steps == block:
+                    break
+                self._cut(ep, size)
         for episode, (reason, final_obs) in pending_ends.items():
             if episode in self.open:
                 self._close(episode, reason, final_obs)
@@ -486,3 +532,9 @@ class Recorder(ColumnRecording):
 
     def close(self) -> None:
         self._spool.close()
+
+
+def _boot(next_obs: Mapping[str, np.ndarray], env: int) -> dict[str, np.ndarray]:
+    """Env ``env``'s row of ``next_obs`` as a chunk's ``boot_obs/*`` [1, ...] (copied: a
+    worker's observation may sit in a shared-memory ring it reuses)."""
+    return pack("boot_obs", {k: np.asarray(v)[[env]] for k, v in next_obs.items()})

@@ -20,6 +20,9 @@ as a ``TRAJECTORY_CHUNK`` message::
                                       console or a script), not the experiment's policy
             final_obs/<key> [1, ...]  last observation (final chunks ending by
                                       termination or truncation only)
+            boot_obs/<key>  [1, ...]  the observation after the last step, on a chunk
+                                      cut before its episode's end by a flush (the end
+                                      of an on-policy round), so that step can bootstrap
 
 Chunk ids are ``"<episode_id>:<first_step>"``, so a chunk sent twice (a resend after a
 restart) is recognised and stored once. Steps are identified by ``(episode_id, step)``.
@@ -345,7 +348,7 @@ def assemble_episodes(chunks: Sequence[Message]) -> list[Episode]:
     episodes = []
     for episode_id, parts in by_episode.items():
         ordered = [parts[k] for k in sorted(parts)]
-        keys = [k for k in ordered[0].arrays if not k.startswith("final_obs/")]
+        keys = [k for k in ordered[0].arrays if not k.startswith(("final_obs/", "boot_obs/"))]
         arrays = {k: np.concatenate([np.asarray(m.arrays[k]) for m in ordered]) for k in keys}
         _, unique = np.unique(arrays["step"], return_index=True)
         arrays = {k: v[unique] for k, v in arrays.items()}

@@ -9,12 +9,13 @@ broadcasts them to every rank::
 
     rollout, info = fetch_rollout(trainer, version)    # {key: tensor [N, ...]}, counts
 
-Steps of older versions are dropped and counted: the first round's (the inference
-servers act with their own initial weights until the trainer's first publication), the
-first steps after a publication that a server had not yet loaded, and an episode's
-last open chunk of a round, which the gateway hands over only with the next chunk
-boundary or the episode's end (so keep ``gateway.chunk_steps`` small against the steps
-per env of a round).
+Before that it has the gateway cut every open episode's held steps into chunks
+(:func:`flush_open`, the gateway's ``flush``), each carrying the observation its env
+waits in, so the rollout holds every step of the round, the last one of each env
+bootstrapping on that observation. Steps of older versions are dropped and counted: the
+first round's (the inference servers act with their own initial weights until the
+trainer's first publication) and the first steps after a publication that a server had
+not yet loaded.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ TAKE_MAX = 65536
 TAKE_BYTES = 64 << 20
 """About the most bytes of observations one drain request asks for (well under a frame's limit)."""
 
+FLUSH_WAIT_S = 5.0
+"""Longest rank 0 waits for workers whose action is out before the flush is final."""
+
 DELIVERY_WAIT_S = 30.0
 """Longest rank 0 waits for the gateway's cut chunks to reach the replay service."""
 
@@ -50,6 +54,31 @@ ROLLOUT_FIELDS = (
     "row",
     "next_row",
 )
+
+
+def flush_open(control: Any, deadline_s: float = FLUSH_WAIT_S) -> dict[str, Any]:
+    """Rank 0: have the gateway cut every open episode's held steps into chunks (its
+    ``flush``), so the round's last steps of each env reach the rollout, each last step
+    with the observation after it. Workers whose action is still out (their steps of
+    this round are recorded when they answer) are waited for, at most ``deadline_s``;
+    an evaluation round keeps them acting and is not waited for. Returns the last answer."""
+    deadline = time.monotonic() + deadline_s
+    cut = 0
+    while True:
+        reply = dict(control.request("flush", timeout_s=5.0))
+        cut += int(reply.get("cut_steps", 0))
+        if not reply.get("acting_workers") or reply.get("evaluating"):
+            break
+        if time.monotonic() >= deadline:
+            log.warning(
+                "%d worker(s) still acting after %.0f s; their last steps wait for the next round",
+                reply["acting_workers"],
+                deadline_s,
+            )
+            break
+        time.sleep(0.02)
+    reply["cut_steps"] = cut
+    return reply
 
 
 def wait_delivered(control: Any, deadline_s: float = DELIVERY_WAIT_S) -> bool:
@@ -131,6 +160,7 @@ def fetch_rollout(trainer: Any, version: int) -> tuple[dict[str, torch.Tensor], 
     info = {"taken": 0, "kept": 0, "stale": 0}
     if world.is_main:
         if trainer.control is not None:
+            flush_open(trainer.control)
             wait_delivered(trainer.control)
         timeout = min(trainer.tc.sample_timeout_s, 30.0)
         arrays, info = drain(trainer.replay, table, version, timeout, item_bytes(trainer.spec))

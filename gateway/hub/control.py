@@ -8,6 +8,9 @@ COMMAND ``{"cmd": ...}`` -> REPLY, or ERROR (``bad_request``) naming what is wro
   (:mod:`gateway.hub.estop`), never behind the loop;
 - ``ready {worker?, env?}``: robots waiting for an operator at reset may start;
 - ``evaluate {episodes}``; ``trainer_version {version, t, max_policy_lag?}``;
+- ``flush``: cut every open episode's held steps into chunks now (the end of an
+  on-policy round), with the observation each held env waits in as the last step's next
+  one; answers ``cut_steps``, ``acting_workers`` (their action is out), ``evaluating``;
 - ``drain {deadline_s?}``: answered once every recorded chunk is acknowledged by the sink,
   or after ``deadline_s`` with ``drained: false`` and ``spooled_steps`` (what stays in the
   spool, delivered on the next start);
@@ -153,13 +156,15 @@ class ControlDesk:
             return hub.lag.status()
         if cmd == "ready":
             return self.ready(meta.get("worker"), meta.get("env"))
+        if cmd == "flush":
+            return hub.flush_open()
         if cmd == "shutdown":
             hub.state.stopping = True
             return {"stopping": True}
         raise ProtocolError(
             ErrorCode.BAD_REQUEST,
             f"unknown command {cmd!r} (status, pause, resume, set_budget, estop, ready, evaluate, "
-            "trainer_version, drain, shutdown)",
+            "trainer_version, flush, drain, shutdown)",
         )
 
     def estop(self, engaged: bool, reason: str = "", *, epoch: int | None = None) -> dict[str, Any]:

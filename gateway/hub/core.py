@@ -487,6 +487,29 @@ class Gateway:
         self.recorder.drain()
         self.clients.release_held()  # held clients hear that the run ends
 
+    def flush_open(self) -> dict[str, Any]:
+        """Cut every open episode's held steps into chunks now (``flush``: the end of an
+        on-policy round). The observation a held worker waits in goes with each chunk as
+        its last step's next observation; ``acting_workers`` counts the workers whose
+        action is out, whose steps of it are recorded only when they answer."""
+        next_obs = {
+            uid: s.pending_obs
+            for uid, s in self.sessions.items()
+            if s.awaiting is not None and s.pending_obs is not None and s.client is None
+        }
+        try:
+            cut = self.recorder.flush(next_obs)
+        except OSError as exc:
+            raise ProtocolError(ErrorCode.STORAGE, f"the spool cannot write the flush: {exc}") from None
+        self.recorder.pump()
+        acting = sum(1 for s in self.sessions.values() if s.awaiting is None)
+        return {
+            "cut_steps": cut,
+            "acting_workers": acting,
+            "evaluating": bool(self.evaluator.status().get("running")),
+            "unacked_chunks": self.recorder.unacked_chunks,
+        }
+
     def fully_stored(self) -> bool:
         """The sink acknowledged every recorded chunk."""
         return self.recorder.unacked_chunks == 0

@@ -140,6 +140,9 @@ class OpenEpisode:
     next_step: int = 0
     end: str | None = None
     final_row: int | None = None
+    boot_row: int | None = None
+    """Row of the ``boot_obs`` the latest chunk brought (cut before the episode's end by a
+    flush): its last step's next observation, until the next chunk comes."""
     last_terminated: bool = False
     done: dict[str, int] = field(default_factory=dict)
     held: dict[int, Message] = field(default_factory=dict)
@@ -157,6 +160,13 @@ def check_arrays(chunk: Message, layout: Layout | None) -> Layout:
     cid = chunk.meta.get("chunk_id")
     obs = unpack("obs", chunk.arrays)
     final = unpack("final_obs", chunk.arrays)
+    boot = unpack("boot_obs", chunk.arrays)
+    if boot and (final or chunk.meta.get("end")):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"trajectory chunk {cid}: boot_obs/* is for chunks cut before their episode's end",
+        )
+    final = final or boot
     if final:
         for key, arr in obs.items():
             got = final.get(key)
@@ -231,13 +241,15 @@ class EpisodeIndex:
             return
         arrays = step_arrays(chunk)
         final = unpack("final_obs", chunk.arrays)
+        boot = unpack("boot_obs", chunk.arrays) if not meta.get("end") else {}
         self.store.check_layout(arrays, f"chunk {meta['chunk_id']}")
-        if final:
-            arrays = _with_final_row(arrays, final)
+        if final or boot:
+            arrays = _with_final_row(arrays, final or boot)
         g0 = self.store.append(arrays)
         n = int(meta["num_steps"])
         ep.rows.extend(range(g0, g0 + n))
         ep.next_step += n
+        ep.boot_row = g0 + n if boot else None
         if meta.get("end"):
             ep.end = meta["end"]
             ep.final_row = g0 + n if final else None
@@ -276,11 +288,13 @@ class EpisodeIndex:
         if table.item == "transition":
             rows = np.asarray(ep.rows[start:total], np.int64)
             tail = self._next_obs_row(ep, total - 1) if ended and total else None
+            if not ended and ep.boot_row is not None and start < total:
+                tail = ep.boot_row  # a flushed chunk: its last step bootstraps on boot_obs
             if tail is None:
                 items, boot = rows[:-1], rows[1:]
             else:
                 items, boot = rows, np.append(rows[1:], tail)
-            ep.done[table.name] = total if ended else max(start, total - 1)
+            ep.done[table.name] = total if ended or tail is not None else max(start, total - 1)
             return Items(items.reshape(-1, 1), boot.astype(np.int64))
         rows_out: list[list[int]] = []
         boots: list[int] = []
