@@ -22,7 +22,10 @@ ages (``random_start``) in both, so resets and chunk cuts are spread over steps 
 long run. ``batched.bytes_per_step.shm.nN`` and ``batched.bytes_per_step.frames.nN`` are
 the observation bytes per batch (per step of the whole worker) that the gateway read in
 place from shared memory (copied once, by the worker, into the ring) and that came as
-socket frames (copied into the kernel and out again), from the gateway's own counters::
+socket frames (copied into the kernel and out again), from the gateway's own counters;
+``batched.bytes_per_step.spool.nN`` and ``batched.bytes_per_step.store.nN`` the bytes per
+batch the gateway wrote to its spool and its sink to the episode store (each step is
+written twice: once before it is acknowledged, once in its chunk)::
 
     loopgate bench --only batched
 """
@@ -58,6 +61,8 @@ NAMES: tuple[str, ...] = tuple(
         f"batched.steps_per_s.gateway.n{n}",
         f"batched.bytes_per_step.shm.n{n}",
         f"batched.bytes_per_step.frames.n{n}",
+        f"batched.bytes_per_step.spool.n{n}",
+        f"batched.bytes_per_step.store.n{n}",
     )
 )
 
@@ -159,7 +164,7 @@ class GatewayRun(SupervisedRun):
             _config(num_envs), run_dir, note=note, start_timeout_s=START_TIMEOUT_S, request_timeout_s=10.0
         )
         self.num_envs = num_envs
-        self.bytes: dict[str, list[float]] = {"shm": [], "frames": []}
+        self.bytes: dict[str, list[float]] = {"shm": [], "frames": [], "spool": [], "store": []}
 
     def measure(self, warmup_s: float, window_s: float) -> float:
         """Steps/s over the window; the bytes each batch moved through shared memory and frames."""
@@ -169,6 +174,8 @@ class GatewayRun(SupervisedRun):
         (w0,), (w1,) = s0["workers"], s1["workers"]
         self.bytes["shm"].append((w1["shm_bytes"] - w0["shm_bytes"]) / batches)
         self.bytes["frames"].append((w1["frame_bytes"] - w0["frame_bytes"]) / batches)
+        self.bytes["spool"].append((s1["spool_bytes"] - s0["spool_bytes"]) / batches)
+        self.bytes["store"].append((s1["sink_bytes"] - s0["sink_bytes"]) / batches)
         return float(steps) / seconds
 
 
@@ -216,6 +223,18 @@ def run(quick: bool, repeats: int) -> list[Record]:
                 gateway.bytes["frames"],
                 "B",
                 note="observation bytes per batch that came as socket frames (copied into the kernel and out)",
+            ),
+            Record.median_of(
+                f"batched.bytes_per_step.spool.n{n}",
+                gateway.bytes["spool"],
+                "B",
+                note="bytes per batch the gateway wrote to its spool (every step, before it is acknowledged)",
+            ),
+            Record.median_of(
+                f"batched.bytes_per_step.store.n{n}",
+                gateway.bytes["store"],
+                "B",
+                note="bytes per batch the gateway's sink wrote to the local episode store (chunk batches)",
             ),
         ]
     return records

@@ -419,6 +419,11 @@ class Recorder(ColumnRecording):
         self._spool.commit()
         self._trim()
 
+    @property
+    def spool_bytes(self) -> int:
+        """Bytes written to the spool by this process."""
+        return self._spool.bytes_written
+
     def spool_segments(self) -> list[int]:
         return self._spool.segments()
 

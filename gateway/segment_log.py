@@ -134,6 +134,8 @@ class SegmentLog:
         self._dirty = False
         self._last_sync = time.monotonic()
         self.torn_bytes_cut = 0
+        self.bytes_written = 0
+        """Record bytes this process appended (headers included): what the data path copied into the file."""
         self._syncer: _Syncer | None = None
         if not readonly:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -278,6 +280,7 @@ class SegmentLog:
                 os.ftruncate(self._fd, self._size)
             raise
         self._size += total
+        self.bytes_written += total
         self._dirty = True
         if self._syncer is not None:
             self._syncer.dirty = True

@@ -73,6 +73,10 @@ class TrajectorySink(abc.ABC):
     def describe(self) -> str:
         return type(self).__name__
 
+    def bytes_written(self) -> int:
+        """Bytes this sink wrote to its own durable log in this process (0: none here)."""
+        return 0
+
     def close(self) -> None:
         return None
 
@@ -119,6 +123,10 @@ class EpisodeStore:
 
     def commit(self) -> None:
         self._log.commit()
+
+    @property
+    def bytes_written(self) -> int:
+        return self._log.bytes_written
 
     def chunks(self, report: ReadReport | None = None) -> Iterator[Message]:
         """Every stored chunk, oldest first (a batch's chunks one by one)."""
@@ -198,6 +206,9 @@ class StoreSink(TrajectorySink):
 
     def describe(self) -> str:
         return f"local store {self.store.directory}"
+
+    def bytes_written(self) -> int:
+        return self.store.bytes_written
 
     def close(self) -> None:
         self._queue.put(None)

@@ -453,6 +453,8 @@ class Gateway:
             "sink": self.recorder.sink.describe(),
             "sink_backlog": self.recorder.sink.backlog(),
             "sink_blocked": self.recorder.sink.blocked,
+            "spool_bytes": self.recorder.spool_bytes,
+            "sink_bytes": self.recorder.sink.bytes_written(),
             "policy": self.source.describe() if self.source else {"kind": "external"},
             "policy_version": self.source.version if self.source else 0,
             "uptime_s": round(now - self.started, 1),
