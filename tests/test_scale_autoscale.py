@@ -141,6 +141,22 @@ def replicas_seen(run: Path) -> list[dict[str, Any]]:
     return list(records[-1]["policy"].get("replicas", [])) if records else []
 
 
+def start_up(tmp_path: Path, cfg: dict[str, Any], name: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """``loopgate up`` on ``cfg`` (written as ``name``), its output in ``up.log``."""
+    config = tmp_path / name
+    config.write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "run"
+    out = open(tmp_path / "up.log", "w")  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "up", str(config), "--run-dir", str(run)],
+        cwd=REPO,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    out.close()
+    return proc, run
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_inference_replicas_follow_the_queue_and_the_balancer_follows_them(tmp_path):
@@ -161,17 +177,7 @@ def test_inference_replicas_follow_the_queue_and_the_balancer_follows_them(tmp_p
             "scale_cooldown_s": 2.0,
         },
     }
-    config = tmp_path / "autoscale.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    run = tmp_path / "run"
-    out = open(tmp_path / "up.log", "w")  # noqa: SIM115 - owned by the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "up", str(config), "--run-dir", str(run)],
-        cwd=REPO,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-    )
-    out.close()
+    proc, run = start_up(tmp_path, cfg, "autoscale.yaml")
     from gateway.control_client import ControlClient
 
     control = None
@@ -246,17 +252,7 @@ def test_a_p99_latency_past_its_mark_starts_a_replica_though_the_queue_is_short(
             "scale_cooldown_s": 1.0,
         },
     }
-    config = tmp_path / "p99.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    run = tmp_path / "run"
-    out = open(tmp_path / "up.log", "w")  # noqa: SIM115 - owned by the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "up", str(config), "--run-dir", str(run)],
-        cwd=REPO,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-    )
-    out.close()
+    proc, run = start_up(tmp_path, cfg, "p99.yaml")
     try:
         wait_for(
             lambda: len(replicas_seen(run)) == 2 and replicas_seen(run)[1]["answered"] > 20,
