@@ -105,8 +105,6 @@ class ControlLine:
         self._relay.connect(pair)
         self._quit = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gateway-control", daemon=True)
-        self.engaged_here = 0
-        """E-stops this thread applied (for status and tests)."""
 
     def start(self) -> None:
         if not self._thread.is_alive():
@@ -144,7 +142,6 @@ class ControlLine:
             return
         command = estop_command(True, reason, epoch)
         send(self.bus, command)
-        self.engaged_here += 1
         reply = {"estopped": True, "workers": self.sessions(), "epoch": epoch}
         send(self.front, Message(MsgType.REPLY, seq=msg.seq, meta=reply), route=[frames[0]])
         send(self._relay, command, route=[INTERNAL])
