@@ -112,6 +112,32 @@ def test_out_of_order_chunks_wait_for_the_gap():
     assert buf.tables["online"].size == 12
 
 
+def test_an_episodes_first_chunk_arriving_after_its_second_waits_in_order():
+    """A resend after a reconnect can bring chunk 1 of an episode before chunk 0: the
+    episode starts at step 0, never at the first chunk that happens to arrive."""
+    buf = buffer(TableConfig(max_size=100))
+    c = episode_chunks("a", 12)
+    for chunk in (c[1], c[2], c[0]):
+        buf.insert(chunk)
+    assert buf.tables["online"].size == 12 and buf.index.late_chunks == 0
+    batch = buf.sample({"online": 64})
+    np.testing.assert_array_equal(batch["next_obs/q"][:, 0], batch["obs/q"][:, 0] + 1)
+
+
+def test_a_rebuild_whose_log_lost_an_episodes_start_takes_it_from_its_first_stored_step():
+    """Retention retired an open episode's first chunks from the log: rebuilding waits for
+    nothing that cannot come and indexes the episode from the steps that are there."""
+    buf = buffer(TableConfig(max_size=100))
+    buf.rebuilding = True
+    for chunk in episode_chunks("a", 12)[1:]:
+        buf.insert(chunk)
+    assert buf.tables["online"].size == 0  # held: the start may still come later in the log
+    buf.restored()
+    assert buf.tables["online"].size == 8
+    buf.insert(episode_chunks("b", 4)[0])  # and the index goes on with the next episode
+    assert buf.tables["online"].size == 12
+
+
 def test_nstep_items_sum_discounted_rewards_and_bootstrap():
     buf = buffer(TableConfig(item="nstep", n_step=3, gamma=0.5, max_size=100))
     fill(buf, episode_chunks("a", 10, end="terminated"))

@@ -28,7 +28,7 @@ import numpy as np
 
 from gateway.protocol import ErrorCode, Message, ProtocolError
 from trainer.replay.config import ReplayConfig
-from trainer.replay.storage import EpisodeIndex, StepStore
+from trainer.replay.storage import EpisodeIndex, Items, StepStore
 from trainer.replay.table import Table
 
 log = logging.getLogger(__name__)
@@ -87,12 +87,16 @@ class ReplayBuffer:
                 log.error("chunk %s kept out of the tables: %s", chunk.meta.get("chunk_id"), exc)
             return 0
         self.inserted_chunks += 1
+        offered = self._offer(items)
+        if not self.rebuilding:
+            self.admit()
+        return offered
+
+    def _offer(self, items: dict[str, Items]) -> int:
         offered = 0
         for name, part in items.items():
             self.tables[name].offer(part)
             offered += len(part)
-        if not self.rebuilding:
-            self.admit()
         return offered
 
     def admit(self) -> int:
@@ -117,6 +121,7 @@ class ReplayBuffer:
 
     def restored(self) -> None:
         """After rebuilding from the log: admit everything, rate limiters balanced."""
+        self._offer(self.index.settle())
         self.rebuilding = False
         for table in self._by_index:
             spi, table.limiter.spi = table.limiter.spi, None  # let everything in

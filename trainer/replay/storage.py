@@ -14,7 +14,8 @@ numbers (``rows``: one for a transition, up to ``n`` for an n-step item, ``L`` f
 sequence) and ``boot``, the row of the observation after it. A chunk's last step becomes
 an item only once the next observation is known: from the episode's next chunk or from
 its ``final_obs``; the last step of an interrupted episode has none and never becomes a
-transition. Chunks that arrive ahead of a gap in their episode wait for the gap.
+transition. Chunks that arrive ahead of a gap in their episode (an episode starts at step
+0) wait for the gap.
 """
 
 from __future__ import annotations
@@ -215,6 +216,32 @@ class EpisodeIndex:
         """Store a chunk's steps and return the items that became complete, by table."""
         out: dict[str, list[Items]] = {}
         self._add(chunk, source, out)
+        return self._merged(out)
+
+    def settle(self) -> dict[str, Items]:
+        """Start the episodes none of whose steps from 0 on are here at their first held
+        chunk, and return the items that became complete, by table.
+
+        For the end of a rebuild: retention may have retired an open episode's first
+        chunks from the log, and what waits for them would wait forever."""
+        out: dict[str, list[Items]] = {}
+        started = 0
+        for ep in list(self.episodes.values()):
+            if ep.rows or not ep.held:
+                continue
+            ep.next_step = min(ep.held)
+            chunk = ep.held.pop(ep.next_step)
+            self._add(chunk, chunk.meta.get("source", "online"), out)
+            started += 1
+        if started:
+            log.info(
+                "%d episode(s) whose first steps the log no longer holds start at their first stored step",
+                started,
+            )
+        return self._merged(out)
+
+    @staticmethod
+    def _merged(out: dict[str, list[Items]]) -> dict[str, Items]:
         merged = {}
         for name, parts in out.items():
             parts = [p for p in parts if len(p)]
@@ -229,7 +256,9 @@ class EpisodeIndex:
         episode_id, first = meta["episode_id"], int(meta["first_step"])
         ep = self.episodes.get(episode_id)
         if ep is None:
-            ep = self.episodes[episode_id] = OpenEpisode(next_step=first)
+            # Every episode starts at step 0, whichever of its chunks arrives first (a
+            # resend after a reconnect can bring chunk 1 before chunk 0).
+            ep = self.episodes[episode_id] = OpenEpisode()
         if first < ep.next_step:
             self.late_chunks += 1
             log.debug(
