@@ -172,7 +172,17 @@ def learning_config() -> dict[str, Any]:
             "checkpoint_every": 500,
             "max_updates": 2500,
             "target_success_rate": 0.8,
-            "options": {"gamma": 0.95, "actor_lr": 0.001, "critic_lr": 0.001, "alpha_lr": 0.001},
+            # An entropy weight starting at 0.1, not 1.0: from 1.0 the policy stayed near
+            # uniform for most of the budget and learned on its mean alone (final returns
+            # -4.4 to -5.2 in four runs, and one run with no gain at all); from 0.1, three
+            # runs ended at -1.9 to -2.3 with every evaluation episode within 10 cm.
+            "options": {
+                "gamma": 0.95,
+                "actor_lr": 0.001,
+                "critic_lr": 0.001,
+                "alpha_lr": 0.001,
+                "init_alpha": 0.1,
+            },
         },
         "run": {"max_env_steps": 10_000_000, "placement": PLACEMENT},
     }
@@ -183,9 +193,7 @@ def test_reach_loop_across_three_nodes_learns_on_an_update_budget(cluster, tmp_p
     """SAC through the whole loop with every service on the node its placement names: the
     trainer's two ranks in one placement group on the GPU node (FSDP over gloo, rendezvous
     at rank 0's node), ends far above the untrained policy's evaluation after 2500 updates
-    (its return; reaching within 10 cm reliably takes the main job's 8000). 1500 updates
-    ended between +2.98 and +5.5 over the untrained return in repeated runs: too close
-    to the +3 bar."""
+    (its return, by about +9.5 in repeated runs against a +3 bar)."""
     run = tmp_path / "run"
     proc = up(cluster, write(tmp_path, learning_config()), run)
     summary = finish(proc, run)
@@ -205,9 +213,9 @@ def test_reach_loop_across_three_nodes_learns_on_an_update_budget(cluster, tmp_p
     untrained = rounds[0]
     assert untrained["policy_version"] <= 1  # evaluated before the first update
     # The return (minus the distance to the target, summed over an episode) is the steady
-    # measure on this budget (measured: -12.3 untrained, -6.8 after 1500 updates); the
-    # 10 cm success rate rose too (0.13 -> 0.52), but it is the noisier of the two here.
-    assert summary["eval_return"] > untrained["return_mean"] + 3.0, (untrained, summary)
+    # measure (measured: -11.7 untrained, -1.9 to -2.3 after 2500 updates); the 10 cm
+    # success rate rose too (0.2 -> 1.0), but it is the noisier of the two.
+    assert summary["eval_return"] > untrained["return_mean"] + 3.0, (rounds, summary)
     assert summary["acked_steps"] == summary["stored_steps"] and summary["duplicate_steps"] == 0
     assert summary["lost_steps"] == 0
     trainer_log = (run / "logs" / "trainer.log").read_text()
