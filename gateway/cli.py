@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("gateway.supervisor:main", "start and supervise every process of an experiment"),
     "scale": ("gateway.engines.scaling:main", "env workers join or leave a live run (env.workers=N)"),
     "gateway": ("gateway.hub.__main__:main", "run the gateway process"),
-    "worker": ("gateway.worker:main", "run an env worker (a batch of envs of one backend)"),
+    "worker": ("gateway.worker.cli:main", "run an env worker (a batch of envs of one backend)"),
     "inference": (
         "inference.server:main",
         "run an inference server (batched policy, hot-swapped weights)",

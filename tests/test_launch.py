@@ -26,11 +26,12 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH_FILES = sorted((REPO / "launch").glob("*.launch.py"))
 PACKAGE_MAINS = {
     "gateway.hub": "gateway.hub.__main__",
+    "gateway.worker": "gateway.worker.cli",
     "inference": "inference.server",
     "trainer.replay": "trainer.replay.cli",
     "trainer": "trainer.__main__",
 }
-ENTRY_MODULES = {target.partition(":")[0] for target, _ in COMMANDS.values()} | {"gateway.worker"}
+ENTRY_MODULES = {target.partition(":")[0] for target, _ in COMMANDS.values()}
 
 
 def load(path: Path) -> ModuleType:
@@ -80,7 +81,7 @@ def test_experiment_launch_starts_what_loopgate_up_starts(tmp_path: Path) -> Non
     values.update(config="configs/reach_ros2.yaml", run_dir=str(tmp_path / "run"), set="env.num_envs=1")
     procs = module.processes(values)
     started = {p.name: check_process(p.argv) for p in procs}
-    assert started["gateway"] == "gateway.hub.__main__" and started["worker-0"] == "gateway.worker"
+    assert started["gateway"] == "gateway.hub.__main__" and started["worker-0"] == "gateway.worker.cli"
     assert started["inference-0"] == "inference.server" and started["replay"] == "trainer.replay.cli"
     assert started["trainer"] == "trainer.__main__"
     assert (tmp_path / "run" / "endpoints.json").is_file()  # the same run folder loopgate up prepares
