@@ -40,6 +40,7 @@ from gateway.hub.accounting import account
 from gateway.hub.clients import ClientRouter
 from gateway.hub.control import ControlDesk
 from gateway.hub.state import HOLD_MESSAGES, Collection, WorkerSession, attach_ring
+from gateway.hub.status import status_of
 from gateway.hub.timing import StepTiming
 from gateway.metrics import Histogram, MetricsWriter
 from gateway.policies import ActionSource
@@ -332,6 +333,14 @@ class Gateway:
     def note_rate(self) -> None:
         self._rate.append((time.monotonic(), self.state.env_steps))
 
+    def steps_per_s(self, now: float) -> float:
+        """Env steps per second over the recent window (0 when collection stalled)."""
+        if len(self._rate) >= 2:
+            (t0, s0), (t1, s1) = self._rate[0], self._rate[-1]
+            if now - t1 < 2.0 and t1 > t0:
+                return (s1 - s0) / (t1 - t0)
+        return 0.0
+
     def route_observation(self, session: WorkerSession, msg: Message) -> None:
         if session.client is not None:
             self.clients.forward_observation(session, msg)
@@ -419,62 +428,7 @@ class Gateway:
     # ----------------------------------------------------------------- control
 
     def status(self) -> dict[str, Any]:
-        c = self.recorder.counters
-        now = time.monotonic()
-        rate = 0.0
-        if len(self._rate) >= 2:
-            (t0, s0), (t1, s1) = self._rate[0], self._rate[-1]
-            if now - t1 < 2.0 and t1 > t0:
-                rate = (s1 - s0) / (t1 - t0)
-        return {
-            "env_steps": self.state.env_steps,
-            "episodes": c.episodes_ended,
-            "episodes_interrupted": c.episodes_interrupted,
-            **c.status(self.recorder.interventions),
-            "steps_per_s": round(rate, 1),
-            "rtt_p50_us": round(self.rtt.percentile(50), 1),
-            "rtt_p99_us": round(self.rtt.percentile(99), 1),
-            "rtt": self.rtt.to_dict(),
-            "hops_us": self.timing.hops.summary(),
-            "env_log": dict(self.timing.env_log),
-            "errors": dict(self.errors),
-            "paused": self.state.paused,
-            "lag_exceeded": self.lag_exceeded,
-            "eval": self.evaluator.status(),
-            **self.lag.status(),
-            "estopped": self.state.estopped,
-            "estops": self.state.estops,
-            "draining": self.state.draining,
-            "budget_reached": self.state.budget_reached,
-            "held": self.hold_reason(),
-            "spooled_steps": self.recorder.undelivered_steps(),
-            "open_episodes": self.recorder.open_episodes(),
-            "unacked_chunks": self.recorder.unacked_chunks,
-            "sink": self.recorder.sink.describe(),
-            "sink_backlog": self.recorder.sink.backlog(),
-            "sink_blocked": self.recorder.sink.blocked,
-            "spool_bytes": self.recorder.spool_bytes,
-            "sink_bytes": self.recorder.sink.bytes_written(),
-            "policy": self.source.describe() if self.source else {"kind": "external"},
-            "policy_version": self.source.version if self.source else 0,
-            "uptime_s": round(now - self.started, 1),
-            "busy_s": round(self.busy_s, 3),
-            "workers": [
-                {
-                    "uid": s.uid,
-                    "num_envs": s.num_envs,
-                    "env_steps": s.env_steps,
-                    "rtt_us": round(s.rtt_us, 1),
-                    "silent_s": round(now - s.last_seen, 2),
-                    "client": s.client is not None,
-                    "shm": s.shm is not None,
-                    "shm_bytes": s.shm_bytes,
-                    "frame_bytes": s.frame_bytes,
-                }
-                for s in self.sessions.values()
-            ],
-            "spec": self.spec.to_dict() if self.spec else None,
-        }
+        return status_of(self)
 
     def send_to_workers(self, msg: Message, sessions: list[WorkerSession] | None = None) -> None:
         """``msg`` (a COMMAND) to every registered worker, or to ``sessions``."""
