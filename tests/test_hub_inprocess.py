@@ -121,13 +121,16 @@ def test_an_estop_behind_ten_thousand_queued_observations_is_applied_before_any_
     for seq in range(2, flood + 2):
         send(worker, observation(seq, 2), flags=zmq.NOBLOCK)
     send(control, Message(MsgType.COMMAND, seq=1, meta={"cmd": "estop", "engaged": True, "reason": "test"}))
+    # The control socket's own thread applies and answers it, loop or no loop; started
+    # before that answer, the loop could answer observations first.
+    wait_for(lambda: control.poll(0), timeout=30, what="the e-stop's answer from the control line")
+    assert recv(control).meta["estopped"] is True
     hub.start()
     session = hub.gateway.sessions["w"]
     wait_for(lambda: session.last_seq == flood + 1, timeout=60, what="every queued observation handled")
     got = replies(worker)
     assert [m.type for m in got] == [MsgType.COMMAND], [m.type.name for m in got]  # no ACTION left
     assert got[0].meta == {"cmd": "estop", "engaged": True, "reason": "test", "epoch": 1}
-    assert recv(control).meta["estopped"] is True
     # Releasing answers the newest observation only: the worker moves on from there.
     send(control, Message(MsgType.COMMAND, seq=2, meta={"cmd": "estop", "engaged": False}))
     wait_for(lambda: worker.poll(0), what="the action after the release")

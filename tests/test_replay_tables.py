@@ -5,6 +5,8 @@ Also home of :func:`episode_chunks`, which the other replay tests import.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from gateway.trajectory import StepRows
 from trainer.replay.config import ReplayConfig, TableConfig
 from trainer.replay.core import ReplayBuffer, Waiting
 from trainer.replay.rate_limiter import RateLimiter
+from trainer.replay.storage import START_WAIT_S
 
 pytestmark = pytest.mark.unit
 
@@ -124,18 +127,28 @@ def test_an_episodes_first_chunk_arriving_after_its_second_waits_in_order():
     np.testing.assert_array_equal(batch["next_obs/q"][:, 0], batch["obs/q"][:, 0] + 1)
 
 
-def test_a_rebuild_whose_log_lost_an_episodes_start_takes_it_from_its_first_stored_step():
-    """Retention retired an open episode's first chunks from the log: rebuilding waits for
-    nothing that cannot come and indexes the episode from the steps that are there."""
+def test_an_online_episode_whose_step_0_never_comes_starts_at_its_first_chunk_in_time():
+    """Its first steps were never acknowledged (a gateway killed before spooling them) or
+    retention retired them from the log: its later chunks wait for step 0 only so long."""
     buf = buffer(TableConfig(max_size=100))
     buf.rebuilding = True
     for chunk in episode_chunks("a", 12)[1:]:
         buf.insert(chunk)
-    assert buf.tables["online"].size == 0  # held: the start may still come later in the log
     buf.restored()
+    assert buf.tables["online"].size == 0  # held: a live resend may still bring step 0
+    assert buf.settle(time.monotonic()) == 0
+    assert buf.settle(time.monotonic() + START_WAIT_S) == 8
     assert buf.tables["online"].size == 8
     buf.insert(episode_chunks("b", 4)[0])  # and the index goes on with the next episode
     assert buf.tables["online"].size == 12
+
+
+def test_a_demonstration_starts_where_its_take_began():
+    """A console take cut from the middle of an episode is sampleable at once."""
+    buf = buffer(TableConfig(name="demos", source="demos", max_size=100))
+    for chunk in episode_chunks("take", 6, start=40, per_chunk=100):
+        buf.insert(chunk, "demos")
+    assert buf.tables["demos"].size == 6
 
 
 def test_nstep_items_sum_discounted_rewards_and_bootstrap():

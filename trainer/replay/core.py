@@ -99,6 +99,14 @@ class ReplayBuffer:
             offered += len(part)
         return offered
 
+    def settle(self, now: float) -> int:
+        """Start online episodes whose step 0 did not come in time (see
+        :meth:`EpisodeIndex.settle`); return the items offered."""
+        offered = self._offer(self.index.settle(now))
+        if offered:
+            self.admit()
+        return offered
+
     def admit(self) -> int:
         return sum(t.admit(self.store.first) for t in self._by_index)
 
@@ -121,7 +129,6 @@ class ReplayBuffer:
 
     def restored(self) -> None:
         """After rebuilding from the log: admit everything, rate limiters balanced."""
-        self._offer(self.index.settle())
         self.rebuilding = False
         for table in self._by_index:
             spi, table.limiter.spi = table.limiter.spi, None  # let everything in

@@ -370,7 +370,7 @@ class ReplayService:
         poller = zmq.Poller()
         for sock in (self._wake_rx, self.sample_sock, self.control_sock):
             poller.register(sock, zmq.POLLIN)
-        last_metrics = 0.0
+        last_metrics = last_settle = 0.0
         log.info("replay service serving: %s", json.dumps(self.addresses))
         while not self.stopping and not (stop is not None and stop.is_set()):
             timeout = 50
@@ -394,8 +394,11 @@ class ReplayService:
                 self.overloaded.set()
             else:
                 self.overloaded.clear()
-            self._serve_parked(changed)
             now = time.monotonic()
+            if now - last_settle >= 1.0:
+                last_settle = now
+                changed = (self.buffer.settle(now) > 0) or changed
+            self._serve_parked(changed)
             if now - last_metrics >= self.cfg.metrics_interval_s:
                 last_metrics = now
                 state = self.status()

@@ -14,13 +14,14 @@ numbers (``rows``: one for a transition, up to ``n`` for an n-step item, ``L`` f
 sequence) and ``boot``, the row of the observation after it. A chunk's last step becomes
 an item only once the next observation is known: from the episode's next chunk or from
 its ``final_obs``; the last step of an interrupted episode has none and never becomes a
-transition. Chunks that arrive ahead of a gap in their episode (an episode starts at step
-0) wait for the gap.
+transition. Chunks that arrive ahead of a gap in their episode wait for the gap; an online
+episode starts at step 0, and its later chunks wait for it up to ``START_WAIT_S``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +136,11 @@ class Items:
         return len(self.boot)
 
 
+START_WAIT_S = 60.0
+"""Longest an online episode's later chunks wait for its step 0 before the episode starts
+at the first of them (a sink resends a refused or lost chunk within seconds)."""
+
+
 @dataclass
 class OpenEpisode:
     rows: list[int] = field(default_factory=list)
@@ -147,6 +153,8 @@ class OpenEpisode:
     last_terminated: bool = False
     done: dict[str, int] = field(default_factory=dict)
     held: dict[int, Message] = field(default_factory=dict)
+    since: float = 0.0
+    """When its first chunk arrived (``time.monotonic``)."""
 
 
 Layout = dict[str, tuple[str, tuple[int, ...]]]
@@ -218,26 +226,25 @@ class EpisodeIndex:
         self._add(chunk, source, out)
         return self._merged(out)
 
-    def settle(self) -> dict[str, Items]:
-        """Start the episodes none of whose steps from 0 on are here at their first held
-        chunk, and return the items that became complete, by table.
+    def settle(self, now: float) -> dict[str, Items]:
+        """Start the online episodes whose step 0 has not come within
+        :data:`START_WAIT_S` at their first chunk here, and return the items that became
+        complete, by table.
 
-        For the end of a rebuild: retention may have retired an open episode's first
-        chunks from the log, and what waits for them would wait forever."""
+        Their first steps were never acknowledged (a gateway killed before it spooled
+        them) or retention retired them from the log; waiting longer would keep the
+        rest of the episode out of the tables for good."""
         out: dict[str, list[Items]] = {}
         started = 0
         for ep in list(self.episodes.values()):
-            if ep.rows or not ep.held:
+            if ep.rows or not ep.held or now - ep.since < START_WAIT_S:
                 continue
             ep.next_step = min(ep.held)
             chunk = ep.held.pop(ep.next_step)
             self._add(chunk, chunk.meta.get("source", "online"), out)
             started += 1
         if started:
-            log.info(
-                "%d episode(s) whose first steps the log no longer holds start at their first stored step",
-                started,
-            )
+            log.info("%d episode(s) whose step 0 never came start at their first stored step", started)
         return self._merged(out)
 
     @staticmethod
@@ -256,9 +263,12 @@ class EpisodeIndex:
         episode_id, first = meta["episode_id"], int(meta["first_step"])
         ep = self.episodes.get(episode_id)
         if ep is None:
-            # Every episode starts at step 0, whichever of its chunks arrives first (a
-            # resend after a reconnect can bring chunk 1 before chunk 0).
-            ep = self.episodes[episode_id] = OpenEpisode()
+            # An online episode starts at step 0, whichever of its chunks arrives first (a
+            # resend after a reconnect can bring chunk 1 before chunk 0); ahead of it, a
+            # chunk waits for step 0 up to START_WAIT_S (settle). A demonstration starts
+            # where its take began.
+            start = 0 if source == "online" else first
+            ep = self.episodes[episode_id] = OpenEpisode(next_step=start, since=time.monotonic())
         if first < ep.next_step:
             self.late_chunks += 1
             log.debug(
