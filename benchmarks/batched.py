@@ -49,6 +49,13 @@ NUM_ENVS = (256, 1024, 4096)
 TARGET_N = 4096
 TARGET = ">= 0.5"
 """The team's goal: through the gateway, at least half the simulator's in-process speed at 4096 envs."""
+BYTES_NOTES = {
+    "shm": "observation bytes per batch read in place from shared memory (copied once, into the ring)",
+    "frames": "observation bytes per batch that came as socket frames (copied into the kernel and out)",
+    "spool": "bytes per batch the gateway wrote to its spool (every step, before it is acknowledged)",
+    "store": "bytes per batch the gateway's sink wrote to the local episode store (chunk batches)",
+}
+"""What each ``batched.bytes_per_step.<kind>.nN`` record counts."""
 HIDDEN = (64, 64)
 EPISODE_LENGTH = 100
 START_TIMEOUT_S = 120.0
@@ -164,7 +171,7 @@ class GatewayRun(SupervisedRun):
             _config(num_envs), run_dir, note=note, start_timeout_s=START_TIMEOUT_S, request_timeout_s=10.0
         )
         self.num_envs = num_envs
-        self.bytes: dict[str, list[float]] = {"shm": [], "frames": [], "spool": [], "store": []}
+        self.bytes: dict[str, list[float]] = {kind: [] for kind in BYTES_NOTES}
 
     def measure(self, warmup_s: float, window_s: float) -> float:
         """Steps/s over the window; the bytes each batch moved through shared memory and frames."""
@@ -212,29 +219,9 @@ def run(quick: bool, repeats: int) -> list[Record]:
                 note=f"{gateway.note}; {timing}",
                 target=TARGET if n == TARGET_N else None,
             ),
-            Record.median_of(
-                f"batched.bytes_per_step.shm.n{n}",
-                gateway.bytes["shm"],
-                "B",
-                note="observation bytes per batch read in place from shared memory (copied once, into the ring)",
-            ),
-            Record.median_of(
-                f"batched.bytes_per_step.frames.n{n}",
-                gateway.bytes["frames"],
-                "B",
-                note="observation bytes per batch that came as socket frames (copied into the kernel and out)",
-            ),
-            Record.median_of(
-                f"batched.bytes_per_step.spool.n{n}",
-                gateway.bytes["spool"],
-                "B",
-                note="bytes per batch the gateway wrote to its spool (every step, before it is acknowledged)",
-            ),
-            Record.median_of(
-                f"batched.bytes_per_step.store.n{n}",
-                gateway.bytes["store"],
-                "B",
-                note="bytes per batch the gateway's sink wrote to the local episode store (chunk batches)",
-            ),
+        ]
+        records += [
+            Record.median_of(f"batched.bytes_per_step.{kind}.n{n}", gateway.bytes[kind], "B", note=note)
+            for kind, note in BYTES_NOTES.items()
         ]
     return records
