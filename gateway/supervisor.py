@@ -41,6 +41,7 @@ from gateway.engines.scaling import serve_requests
 from gateway.factory import experiment_spec
 from gateway.live import LiveView
 from gateway.metrics import Histogram, MetricsWriter
+from gateway.priority import set_session_niceness
 from gateway.protocol import RemoteError, Timeout
 from gateway.registry import (
     FINALIZERS,
@@ -126,8 +127,8 @@ class Supervisor:
 
         def prepare_child() -> None:  # in the child, before exec
             lifeline.die_with_parent()
-            if niceness:
-                os.nice(niceness)
+            if niceness:  # the process and its session (its own: see gateway.priority)
+                set_session_niceness(os.nice(niceness))
 
         proc.popen = subprocess.Popen(
             s.argv,

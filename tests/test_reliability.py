@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from gateway.client import GatewayVectorEnv
+from gateway.priority import session_niceness
 from gateway.protocol import RunEnded
 from tests.conftest import time_left, wait_for
 from tests.test_trainer_e2e import up
@@ -283,7 +284,9 @@ def test_a_gateway_stopped_by_a_signal_stores_what_it_acknowledged_before_it_exi
 
 @pytest.mark.e2e
 def test_run_nice_lowers_the_priority_of_the_named_services_only(tmp_path):
-    """``run.nice`` by name prefix: every worker niced, the gateway untouched."""
+    """``run.nice`` by name prefix: every worker niced, the gateway untouched; each service
+    has a session of its own, so where the kernel shares the CPU between sessions first
+    (autogroup) the session is niced too, else the process's niceness would change nothing."""
     run = tmp_path / "run"
     path = external_config(tmp_path, env={"backend": "mujoco_reach", "workers": 2, "num_envs": 1})
     proc = up(path, run, "--set", "run.nice={worker: 7}")
@@ -297,6 +300,9 @@ def test_run_nice_lowers_the_priority_of_the_named_services_only(tmp_path):
         wait_for(lambda: len(pids("gateway.worker")) == 2, what="both workers")
         assert {os.getpriority(os.PRIO_PROCESS, p) for p in pids("gateway.worker")} == {7}
         assert {os.getpriority(os.PRIO_PROCESS, p) for p in pids("gateway.hub")} == {0}
+        if session_niceness(os.getpid()) is not None:  # the kernel has autogroups
+            assert {session_niceness(p) for p in pids("gateway.worker")} == {7}
+            assert {session_niceness(p) for p in pids("gateway.hub")} == {0}
         proc.send_signal(signal.SIGINT)
     except BaseException:
         proc.kill()

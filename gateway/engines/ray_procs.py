@@ -46,6 +46,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from gateway import lifeline
+from gateway.priority import set_session_niceness
 
 log = logging.getLogger("loopgate.ray")
 
@@ -95,6 +96,7 @@ class ServiceHost:
             # at run.nice's, as under the local engine, where the node allows it.
             with contextlib.suppress(PermissionError, OSError):
                 os.setpriority(os.PRIO_PROCESS, 0, niceness)
+            set_session_niceness(os.getpriority(os.PRIO_PROCESS, 0))  # see gateway.priority
 
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab") as out:
