@@ -201,7 +201,10 @@ class RunConfig:
     nice: dict[str, int] = field(default_factory=dict)
     """Scheduling niceness by service name or name prefix (``{trainer: 10}``): on a machine
     the trainer shares with collection, a niced trainer leaves the cores to the latency
-    path first and still takes every idle cycle. Applied when each service starts."""
+    path first and still takes every idle cycle. Applied when each service starts, to the
+    process and its session. Below 0 (a higher priority, e.g. ``{gateway: -5, console: -5}``
+    for a fast e-stop on saturated cores) needs ``CAP_SYS_NICE`` or a ``nice`` limit in
+    ``/etc/security/limits.conf``; without it ``loopgate up`` refuses the config."""
     engine: Literal["local", "ray"] = "local"
     """Who starts and watches the services: ``local`` (child processes of ``loopgate up``) or
     ``ray`` (one Ray actor per service on a Ray cluster; ``loopgate up --ray ADDRESS``)."""

@@ -16,9 +16,34 @@ may lower a priority, raising one needs ``CAP_SYS_NICE``)::
 from __future__ import annotations
 
 import contextlib
+import os
+import resource
 from pathlib import Path
 
 AUTOGROUP = "/proc/self/autogroup"
+CAP_SYS_NICE = 23
+
+
+def has_sys_nice() -> bool:
+    """Whether this process holds ``CAP_SYS_NICE`` (Linux; False where that cannot be read)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def may_set_niceness(niceness: int) -> bool:
+    """Whether a child of this process may run at ``niceness``: a lower priority always,
+    a higher one within ``RLIMIT_NICE`` (``limits.conf``'s ``nice``) or with ``CAP_SYS_NICE``."""
+    if niceness >= os.getpriority(os.PRIO_PROCESS, 0):
+        return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    if soft != resource.RLIM_INFINITY and 20 - soft <= niceness:
+        return True
+    return soft == resource.RLIM_INFINITY or has_sys_nice()
 
 
 def set_session_niceness(niceness: int) -> bool:

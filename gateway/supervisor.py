@@ -41,7 +41,7 @@ from gateway.engines.scaling import serve_requests
 from gateway.factory import experiment_spec
 from gateway.live import LiveView
 from gateway.metrics import Histogram, MetricsWriter
-from gateway.priority import set_session_niceness
+from gateway.priority import may_set_niceness, set_session_niceness
 from gateway.protocol import RemoteError, Timeout
 from gateway.registry import (
     FINALIZERS,
@@ -316,6 +316,13 @@ def prepare_run(
     else:  # the backend is importable only in the simulator's own venv
         check_interpreter(cfg.env.python)
         spec = foreign_spec(cfg.env.python, cfg.env.backend, dict(cfg.env.options))
+    if cfg.run.engine == "local":
+        for name, niceness in cfg.run.nice.items():
+            if not may_set_niceness(niceness):
+                raise ConfigError(
+                    f"run.nice.{name}: {niceness} raises the priority, which needs CAP_SYS_NICE "
+                    "or a nice limit in /etc/security/limits.conf; use 0 or more, or grant it"
+                )
     for block, _ in PREFLIGHT.items():
         if cfg.has(block):
             resolve(PREFLIGHT, block, "preflight check")(cfg, spec)

@@ -58,3 +58,35 @@ def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
     monkeypatch.setattr(services.socket, "socket", Offering)
     assert services.free_port() != first
     assert next(offers, None) is None  # it asked the OS until the port was new
+
+
+def test_a_run_nice_that_raises_a_priority_without_the_right_is_a_config_error(tmp_path, monkeypatch):
+    """``run.nice`` below 0 needs CAP_SYS_NICE or a nice limit: without them ``loopgate up``
+    refuses the config before anything starts, naming the entry. The right is taken away
+    by patching ``gateway.priority`` (these machines run the tests as root, which has it)."""
+    import pytest
+    import yaml
+
+    from gateway import priority
+    from gateway.config import ConfigError, load_config
+    from gateway.supervisor import prepare_run
+
+    config = tmp_path / "nice.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "env": {"backend": "mujoco_reach", "workers": 1, "num_envs": 1},
+                "policy": {"kind": "random"},
+                "run": {"nice": {"gateway": -5, "worker": 10}},
+            }
+        )
+    )
+    cfg = load_config(config)
+    monkeypatch.setattr(priority, "has_sys_nice", lambda: False)
+    monkeypatch.setattr(priority.resource, "getrlimit", lambda _: (0, 0))
+    assert priority.may_set_niceness(10) and not priority.may_set_niceness(-5)
+    with pytest.raises(ConfigError, match=r"run\.nice\.gateway: -5 .*CAP_SYS_NICE"):
+        prepare_run(cfg, tmp_path / "run", "INFO")
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(priority, "has_sys_nice", lambda: True)
+    assert priority.may_set_niceness(-5)
