@@ -20,7 +20,10 @@ and then 4 viewers, each a page logged in and watching its own env's camera:
 - ``console.estop_ms.p99``: the page's ``POST /api/estop`` until the console's answer
   (sent once the gateway took the e-stop), with the 4 viewers streaming; baseline
   ``console.estop_gateway_ms.p99``, the gateway's ``estop`` command straight from this
-  process over the same load.
+  process over the same load; beside them ``console.wake_ms.p99``, how late a bare
+  process in a session of its own wakes from 10 ms sleeps over that window
+  (``benchmarks/sched_probe.py``): the wait for a core that each of the e-stop's hops
+  (page, browser, network service, console, gateway, and back) may meet.
 
 The issue's targets (>= 15 frames/s with 4 viewers, glass-to-glass p50 <= 100 ms, e-stop
 p99 <= 50 ms) are absolute and stated in the notes; records are medians over repeats::
@@ -34,6 +37,7 @@ import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -60,6 +64,7 @@ NAMES: tuple[str, ...] = (
     "console.control_period_ms",
     "console.estop_ms.p99",
     "console.estop_gateway_ms.p99",
+    "console.wake_ms.p99",
 )
 TOKEN = "bench-console-token"
 CHROMIUM = "/usr/bin/chromium"
@@ -241,8 +246,15 @@ def _measure(run: ConsoleRun, browser: Any, quick: bool, values: dict[str, list[
             add("console.glass_to_glass_ms.p50", _percentile(lats, 50))
             add("console.glass_to_glass_ms.p99", _percentile(lats, 99))
 
-        # E-stop under full camera load: from the page, and straight to the gateway.
+        # E-stop under full camera load: from the page, and straight to the gateway, while a
+        # bare process measures how late anything on this machine wakes (the floor).
         page_ms, gateway_ms = [], []
+        floor = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.sched_probe", f"{stops * 0.5:.1f}"],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         for _ in range(stops):
             ms = pages[0].evaluate(ESTOP)
             if ms is not None:
@@ -256,6 +268,13 @@ def _measure(run: ConsoleRun, browser: Any, quick: bool, values: dict[str, list[
         if page_ms:
             add("console.estop_ms.p99", _percentile(page_ms, 99))
         add("console.estop_gateway_ms.p99", _percentile(gateway_ms, 99))
+        try:
+            out, _ = floor.communicate(timeout=stops * 0.5 + 30.0)
+            add("console.wake_ms.p99", float(json.loads(out)["p99_ms"]))
+        except (subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+            floor.kill()
+            floor.wait()
+            log.warning("the wake-up probe gave no figure: %s", exc)
     finally:
         for p in pages:
             p.context.close()
@@ -332,6 +351,11 @@ def run(quick: bool, repeats: int) -> list[Record]:
             "ms",
             None,
             "the gateway's estop command from this process, same load",
+        ),
+        "console.wake_ms.p99": (
+            "ms",
+            None,
+            "a bare process's lateness waking from 10 ms sleeps, same load (the floor)",
         ),
     }
     records = []

@@ -171,6 +171,8 @@ def serve(
             access_log=False,
             ws_ping_interval=5.0,
             ws_ping_timeout=5.0,
+            # JPEG frames do not compress: deflating them only cost both ends CPU.
+            ws_per_message_deflate=False,
         )
     finally:
         if console.teleop is not None:

@@ -81,7 +81,35 @@ function framesPerSecond(now) {
   return recent.length / 2;
 }
 
+// The readouts and plots are redrawn 5 times a second, the newest frame's state each time:
+// rewriting them on every frame made the page lay itself out 20+ times a second, which on
+// a loaded machine costs the camera frames (and the e-stop's fetch) their CPU.
+const SHOW_MS = 200;
+let shownAt = 0;
+let showTimer = null;
+let unshown = null;
+
 function showRobotState(h, drawn) {
+  const s = robotSeries;
+  s.t.push(h.t_render_ms / 1000);
+  s.joint_pos.push(h.joint_pos || []);
+  s.action.push(h.action || []);
+  if (s.t.length > PLOT_POINTS) for (const key of Object.keys(s)) s[key].shift();
+  unshown = [h, drawn];
+  const wait = shownAt + SHOW_MS - nowMs();
+  if (wait > 0) {
+    if (showTimer === null) showTimer = setTimeout(showNewest, wait);  // the last frame is shown too
+    return;
+  }
+  showNewest();
+}
+
+function showNewest() {
+  showTimer = null;
+  if (unshown === null) return;
+  const [h, drawn] = unshown;
+  unshown = null;
+  shownAt = nowMs();
   const fps = framesPerSecond(drawn);
   const latency = drawn - h.t_render_ms;
   $("camera-info").textContent = h.image
@@ -92,21 +120,11 @@ function showRobotState(h, drawn) {
   const flags = [h.success ? "success" : null, h.terminated ? "terminated" : null, h.truncated ? "truncated" : null];
   $("r-flags").textContent = flags.filter(Boolean).join(", ") || "none";
   $("r-version").textContent = text(h.policy_version);
-  plotRobot(h);
+  plotRobot();
 }
 
-let plottedAt = 0;
-const PLOT_MS = 200;  // redraw the plots 5 times a second: every frame would cost the camera frames
-
-function plotRobot(h) {
+function plotRobot() {
   const s = robotSeries;
-  s.t.push(h.t_render_ms / 1000);
-  s.joint_pos.push(h.joint_pos || []);
-  s.action.push(h.action || []);
-  if (s.t.length > PLOT_POINTS) for (const key of Object.keys(s)) s[key].shift();
-  const now = nowMs();
-  if (now - plottedAt < PLOT_MS) return;
-  plottedAt = now;
   for (const name of ["joint_pos", "action"]) {
     const width = Math.max(0, ...s[name].map((v) => v.length));
     if (!width || s.t.length < 2) continue;
