@@ -9,11 +9,16 @@ client (what the console's teleoperation does).
 from __future__ import annotations
 
 import json
+import math
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from gateway.client import GatewayVectorEnv
+from gateway.console.teleop import TeleopLoop, TeleopSettings
+from gateway.policies import InProcessSource, Policy
 from gateway.protocol import Message, MsgType, ProtocolError
 from gateway.recorder import InterventionRate
 from gateway.store import EpisodeStore
@@ -263,3 +268,72 @@ def test_a_step_can_name_the_envs_a_person_drove_and_their_versions_and_bad_ones
     for ep in episodes:
         versions.setdefault(int(ep.meta["env"]), set()).update(ep.arrays["policy_version"].tolist())
     assert versions == {0: {5, 0}, 1: {0}, 2: {7, 0}}
+
+
+class _Steady(Policy):
+    """Every env the same action: a policy whose hand-back is easy to see in the store."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def act(self, obs: dict[str, np.ndarray]) -> np.ndarray:
+        n = len(next(iter(obs.values())))
+        return np.full((n, 3), self.value, np.float32)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_release_hands_the_env_back_to_the_policy_over_a_ramp(gateway_run):
+    """The console's takeover loop on a real gateway and MuJoCo worker: the operator's env
+    holds (zero deltas), the others follow the policy (0.04); on Release the operator's
+    env's action rises from the held 0 to the policy's 0.04 in ``ramp_steps`` even steps,
+    still flagged as interventions, then the gateway's policy drives it; a hold during a
+    ramp (the e-stop's path) lets go at once."""
+    run = gateway_run({"env": {"backend": "mujoco_reach", "num_envs": 2}, "policy": {"kind": "random"}})
+    run.worker(0)
+    wait_for(lambda: run.status()["env_steps"] > 10, what="the policy's first steps")
+    uid = run.status()["workers"][0]["uid"]
+    settings = TeleopSettings(release_ramp_s=0.25)
+    loop = TeleopLoop(
+        run.endpoints["clients"], worker=uid, settings=settings, others=InProcessSource(_Steady(0.04))
+    )
+    n = loop.ramp_steps
+    assert n == math.ceil(0.25 * loop.env.spec_.control_hz - 1e-9) >= 2
+    loop.start()
+    wait_for(lambda: loop.snapshot().steps >= 5, what="five steps under the takeover")
+    loop.release(ramp=True)
+    state = loop.snapshot()
+    assert not state.active and state.ended == "released to the policy"
+    before = run.status()["env_steps"]
+    wait_for(lambda: run.status()["env_steps"] > before + 20, what="the gateway's policy to drive again")
+    # A hold during a ramp (the e-stop's path) ends it at once, the env holding.
+    split = time.time()
+    slow = TeleopLoop(
+        run.endpoints["clients"],
+        worker=uid,
+        settings=TeleopSettings(release_ramp_s=30.0),
+        others=InProcessSource(_Steady(0.04)),
+    )
+    slow.start()
+    wait_for(lambda: slow.snapshot().steps >= 3, what="three steps under the second takeover")
+    releasing = threading.Thread(target=slow.release, kwargs={"ramp": True})
+    releasing.start()
+    wait_for(lambda: "handing back" in (slow.snapshot().holding or ""), what="the ramp to start")
+    slow.hold("e-stop")
+    releasing.join(timeout=settings.step_timeout_s + 5.0)
+    assert not releasing.is_alive() and slow.snapshot().ended == "released"
+    assert not slow.snapshot().active
+    run.drain()
+    episodes = EpisodeStore(run.run_dir / "episodes", readonly=True).episodes()
+    mine = sorted(
+        (float(t), bool(flag), float(a[0]))
+        for ep in episodes
+        if ep.episode_id.startswith(f"{uid}-0-")
+        for t, flag, a in zip(ep.arrays["t_capture"], ep.arrays["intervention"], ep.arrays["action"])
+        if t < split
+    )
+    flagged = [a for _, flag, a in mine if flag]
+    np.testing.assert_allclose(flagged[-n:], [0.04 * (k + 1) / n for k in range(n)], atol=1e-6)
+    np.testing.assert_allclose(flagged[:-n], 0.0)
+    last = max(i for i, (_, flag, _) in enumerate(mine) if flag)
+    assert len(mine) > last + 1 and not any(flag for _, flag, _ in mine[last + 1 :])

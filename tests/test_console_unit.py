@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gateway.config import ConfigError, from_dict
@@ -28,6 +29,7 @@ from gateway.console.teleop import (
     RateLimiter,
     StaleFilter,
     parse_command,
+    ramp_action,
 )
 
 pytestmark = pytest.mark.unit
@@ -145,6 +147,17 @@ def test_console_block_refuses_a_plain_text_token_and_bad_limits() -> None:
         ConsoleConfig(deadman_s=0)
     with pytest.raises(ConfigError, match="port"):
         ConsoleConfig(port=70000)
+    with pytest.raises(ConfigError, match="release_ramp_s"):
+        ConsoleConfig(release_ramp_s=-0.1)
+    assert ConsoleConfig(release_ramp_s=0).release_ramp_s == 0
+
+
+def test_a_release_ramp_blends_the_held_command_into_the_policys() -> None:
+    held, policy = np.array([0.2, -0.1, 0.0]), np.array([0.6, 0.3, -0.4])
+    np.testing.assert_allclose(ramp_action(held, policy, 0.0), held)
+    np.testing.assert_allclose(ramp_action(held, policy, 0.5), [0.4, 0.1, -0.2])
+    np.testing.assert_allclose(ramp_action(held, policy, 1.0), policy)
+    np.testing.assert_allclose(ramp_action(held, policy, 1.5), policy)  # never past the policy's
 
 
 def test_binding_beyond_loopback_needs_a_token() -> None:

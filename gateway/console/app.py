@@ -319,7 +319,13 @@ def create_app(console: ConsoleApp) -> FastAPI:
     return app
 
 
-def _release(console: ConsoleApp) -> None:
+def _release(console: ConsoleApp, *, ramp: bool = False) -> None:
+    """Let go of the takeover; ``ramp`` (the operator's Release) hands the env back to the
+    policy over ``console.release_ramp_s`` first, the loop still in place meanwhile so an
+    e-stop's hold reaches it."""
+    loop = console.teleop
+    if loop is not None and ramp:
+        loop.release(ramp=True)
     loop, console.teleop, console.teleop_owner = console.teleop, None, None
     console.link.controlled_by_console = None
     if loop is not None:
@@ -386,6 +392,7 @@ async def _on_teleop_message(
                 stale_command_s=console.config.stale_command_s,
                 max_command_hz=console.config.max_command_hz,
                 scale=console.config.teleop_scale,
+                release_ramp_s=console.config.release_ramp_s,
             )
             try:
                 frames = console.frames or camera.FrameSource([])
@@ -415,6 +422,6 @@ async def _on_teleop_message(
         }
     if kind == "release":
         if mine is not None:
-            await run_in_threadpool(_release, console)
+            await run_in_threadpool(lambda: _release(console, ramp=True))
         return {"type": "released"}
     return {"type": "error", "message": f"unknown message type {kind!r}"}

@@ -56,6 +56,10 @@ class ConsoleConfig:
     """Commands per second one operator may send; the rest are dropped and counted."""
     teleop_scale: float = 0.5
     """Full key deflection as a fraction of the action's bound."""
+    release_ramp_s: float = 0.5
+    """On Release, the driven env is handed back to the policy over this long, its action
+    blended from the held command to the policy's so the arm neither jumps nor lurches
+    (0: at once). Only with ``others: policy``: without a policy there is nothing to blend."""
     others: Literal["policy", "hold"] = "policy"
     """While one env of a worker is teleoperated, its other envs: the experiment's policy drives them, or they hold."""
     mark_success_reward: float | None = None
@@ -73,6 +77,8 @@ class ConsoleConfig:
         for name in ("session_ttl_s", "status_interval_s", "deadman_s", "stale_command_s", "max_command_hz"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"console.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.release_ramp_s <= 10:
+            raise ConfigError(f"console.release_ramp_s must be in 0..10 s, got {self.release_ramp_s}")
         if not 0 < self.teleop_scale <= 1:
             raise ConfigError(f"console.teleop_scale must be in (0, 1], got {self.teleop_scale}")
 

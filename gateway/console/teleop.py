@@ -36,7 +36,14 @@ axes into actions, bumpless in both kinds of action space the spec can declare:
   observed, and held axes move it at ``scale`` of half the action's range per second.
 
 Either way the first action after a takeover equals what the robot is already
-commanded, so the arm does not jump.
+commanded, so the arm does not jump. Release hands the env back the same way: for
+``release_ramp_s`` the loop keeps stepping it, its action blended from the held command
+to the policy's, ``(1 - a) * held + a * policy`` with ``a`` rising to 1 (deltas: the
+policy's motion fades in from standing still; absolute commands: from where the robot
+is held to where the policy points), and the gateway's policy carries on from there.
+Those steps are still flagged ``intervention`` (the person's command shapes them). Only
+an operator's Release ramps; a hold (deadman, e-stop) and a dropped connection let go
+at once, holding.
 """
 
 from __future__ import annotations
@@ -169,6 +176,7 @@ class TeleopSettings:
     max_command_hz: float = 60.0
     scale: float = 0.5
     step_timeout_s: float = 5.0
+    release_ramp_s: float = 0.5
 
 
 @dataclass
@@ -237,6 +245,12 @@ class ActionShaper:
         return held
 
 
+def ramp_action(held: np.ndarray, policy: np.ndarray, a: float) -> np.ndarray:
+    """One env's action ``a`` of the way from the held command to the policy's (``a`` in [0, 1])."""
+    a = min(1.0, max(0.0, a))
+    return (1.0 - a) * np.asarray(held, np.float64) + a * np.asarray(policy, np.float64)
+
+
 class TeleopLoop:
     """One takeover of one worker through the gateway's client socket, in its own thread."""
 
@@ -303,6 +317,8 @@ class TeleopLoop:
         self._lock = threading.Lock()
         self._axes = np.zeros(self.action_size)
         self._stop = threading.Event()
+        self._ramp = threading.Event()
+        """Set by :meth:`release` with a ramp: hand the driven env back to the policy, then stop."""
         self._asked = 0
 
     def start(self) -> None:
@@ -310,6 +326,8 @@ class TeleopLoop:
 
     def command(self, cmd: Command, now: float, now_ms: float) -> bool:
         """Take ``cmd`` if it passes the rate limit and is fresh; False when dropped."""
+        if self._ramp.is_set():  # released: the env is being handed back to the policy
+            return False
         with self._lock:
             if not self.limiter.allow(now) or not self.stale.accept(cmd, now_ms):
                 self.state.dropped_rate, self.state.dropped_stale = self.limiter.dropped, self.stale.dropped
@@ -322,15 +340,39 @@ class TeleopLoop:
     def hold(self, reason: str) -> None:
         with self._lock:
             self.deadman.hold(reason)
+        if self._ramp.is_set():  # no motion fades in over a hold: let go at once, holding
+            self._stop.set()
 
-    def release(self) -> None:
-        self._stop.set()
+    @property
+    def ramp_steps(self) -> int:
+        """Steps of a release's ramp (0: there is none: no policy for the env, or no ramp set)."""
+        if self.others is None or self.settings.release_ramp_s <= 0:
+            return 0
+        return max(1, math.ceil(self.settings.release_ramp_s / self.dt - 1e-9))
+
+    def release(self, *, ramp: bool = False) -> None:
+        """Stop; with ``ramp``, first hand the driven env back to the policy over
+        ``release_ramp_s`` (see the module docstring). Returns once the loop has ended."""
+        if ramp and self.ramp_steps and self._thread.is_alive():
+            self._ramp.set()
+            wait_s = self.ramp_steps * (self.dt + POLICY_WAIT_S) + self.settings.step_timeout_s
+        else:
+            self._stop.set()
+            wait_s = 0.0
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=self.settings.step_timeout_s + 2.0)
+            self._thread.join(timeout=wait_s + self.settings.step_timeout_s + 2.0)
+            if self._thread.is_alive():  # the ramp did not finish in time: let go now
+                self._stop.set()
+                self._thread.join(timeout=self.settings.step_timeout_s + 2.0)
 
     def snapshot(self) -> TeleopState:
         with self._lock:
             return TeleopState(**vars(self.state))
+
+    def hold_for_ramp(self) -> None:
+        """During a release's ramp the operator's keys no longer count: the env holds."""
+        with self._lock:
+            self.deadman.hold("released")
 
     def _action(self, now: float) -> tuple[np.ndarray, int, str | None]:
         """Every env's action, the env the operator drives and why it holds (None: it
@@ -372,15 +414,24 @@ class TeleopLoop:
                 except LookupError:  # no tap: the other envs hold until the first step's answer
                     obs = None
             next_tick = time.monotonic()
+            ramped = 0
             while not self._stop.is_set():
+                ramping = self._ramp.is_set()
+                if ramping:
+                    self.hold_for_ramp()
                 action, env, holding = self._action(time.monotonic())
                 driven = np.zeros(self.num_envs, bool)
                 driven[env] = True  # the operator's env: its steps are interventions
                 self.env.intervention = driven
                 theirs = self._policy_actions(obs)
                 if theirs is not None:  # the policy keeps driving the envs the operator does not
+                    if ramping:
+                        action[env] = ramp_action(action[env], theirs[0][env], (ramped + 1) / self.ramp_steps)
                     action = np.where(driven.reshape(-1, *[1] * (action.ndim - 1)), action, theirs[0])
                     self.env.policy_version = np.where(driven, 0, theirs[1])
+                if ramping:
+                    holding = f"handing back to the policy ({ramped + 1}/{self.ramp_steps})"
+                    ramped += 1
                 try:
                     obs, *_ = self.env.step(action.astype(self.dtype))
                 except RemoteError as exc:
@@ -395,6 +446,9 @@ class TeleopLoop:
                     joints = obs.get("joint_pos")
                     if joints is not None:
                         self.state.joint_pos = [round(float(j), 4) for j in joints[env]]
+                if ramping and ramped >= self.ramp_steps:
+                    ended = "released to the policy"
+                    break
                 next_tick += self.dt
                 self._stop.wait(max(0.0, next_tick - time.monotonic()))
                 next_tick = max(next_tick, time.monotonic() - self.dt)
