@@ -15,6 +15,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from gateway import __version__
 from gateway.factory import ConfigError
+from gateway.priority import may_set_niceness
 from gateway.registry import ISAAC_HINT
 from gateway.venvs import check_interpreter
 
@@ -201,6 +203,33 @@ def check_browser() -> list[Check]:
     return [Check("chromium", chromium is not None, chromium or "missing", "apt-get install -y chromium")]
 
 
+def check_scheduling() -> list[Check]:
+    """How ``run.nice`` will act here: the CPUs this process may use, its niceness,
+    whether the kernel shares the CPU between sessions first (autogroup: each service's
+    session is niced with it), and whether a priority may be raised (``run.nice`` < 0)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+    try:
+        autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        autogroup = False
+    raising = "allowed" if may_set_niceness(os.getpriority(os.PRIO_PROCESS, 0) - 1) else "not allowed"
+    detail = (
+        f"{cpus} CPU(s), niceness {os.getpriority(os.PRIO_PROCESS, 0)}; autogroup "
+        + (
+            "on: run.nice nices each service's session too"
+            if autogroup
+            else "off: run.nice nices the process"
+        )
+        + f"; run.nice below 0 {raising}"
+    )
+    fix = (
+        ""
+        if raising == "allowed"
+        else "run.nice < 0 needs CAP_SYS_NICE or a nice entry in /etc/security/limits.conf"
+    )
+    return [Check("scheduling", True, detail, fix)]
+
+
 def run_checks() -> list[Check]:
     checks: list[Check] = []
     for group in (
@@ -212,6 +241,7 @@ def run_checks() -> list[Check]:
         check_isaac,
         check_mjlab,
         check_browser,
+        check_scheduling,
     ):
         checks.extend(group())
     return checks

@@ -188,6 +188,8 @@ def test_doctor_reports_what_is_installed():
     assert all(c["ok"] or c["fix"] for c in checks.values())
     # ROS 2's launch is reported either way (docs/ros2.md sends users here for it).
     assert "ros2 launch" in checks and "launch" in checks["ros2 launch"]["detail"]
+    # How run.nice acts on this machine (docs/architecture.md).
+    assert "CPU(s)" in checks["scheduling"]["detail"] and "autogroup" in checks["scheduling"]["detail"]
 
 
 def test_keys_are_made_once_and_not_overwritten(tmp_path):
