@@ -106,6 +106,12 @@ class Replica:
     answered: int = 0
     downs: int = 0
     latency: LatencyWindow = field(default_factory=LatencyWindow)
+    moved_at_seq: int | None = None
+    """Set when the server moved (:meth:`InferenceSource.follow`): the last seq sent before.
+    An answer to anything up to it comes from the old server (queued in the socket, or its
+    dying connection) and is dropped: taking it for the new server's would mark the
+    replica up before its new connection exists, and what is then sent goes down the old
+    one, lost."""
 
     def describe(self, now: float | None = None) -> dict[str, Any]:
         p99 = self.latency.p99_ms(time.monotonic() if now is None else now)
@@ -203,7 +209,7 @@ class InferenceSource(ActionSource):
                 replica.sock.disconnect(old)
             connect(replica.sock, new, self.keys)
             self._mark_down(replica, f"it moved to {new}")
-            replica.address, replica.last_heard = new, 0.0
+            replica.address, replica.last_heard, replica.moved_at_seq = new, 0.0, self._seq
             moved.append(f"inference server {replica.index}: {old} -> {new}")
             log.warning("inference server %d moved: %s -> %s; reconnecting", replica.index, old, new)
         return moved
@@ -232,7 +238,8 @@ class InferenceSource(ActionSource):
             self._drain(replica)  # liveness below must see answers already here
             if now - replica.last_ping >= self.heartbeat_s:
                 replica.last_ping = now
-                self._send(replica, Message(MsgType.HEARTBEAT))
+                self._seq += 1  # the server echoes it: which connection an answer came from
+                self._send(replica, Message(MsgType.HEARTBEAT, seq=self._seq))
         self._check(now)
 
     @property
@@ -331,6 +338,11 @@ class InferenceSource(ActionSource):
             except ProtocolError as exc:
                 log.warning("garbled answer from %s: %s", replica.address, exc)
                 continue
+            if replica.moved_at_seq is not None:
+                if msg.seq <= replica.moved_at_seq:  # the old server's: see Replica.moved_at_seq
+                    self.counters["late_dropped"] += 1
+                    continue
+                replica.moved_at_seq = None
             replica.last_heard = time.monotonic()
             if not replica.up:
                 replica.up = True

@@ -117,7 +117,9 @@ def test_the_gateway_follows_an_inference_server_to_its_new_address_and_its_work
     source = InferenceSource([{"requests": old.address}], heartbeat_s=0.02, replica_timeout_s=30.0)
 
     def heartbeat(msg: Message) -> Message | None:
-        return Message(MsgType.HEARTBEAT, meta={"version": 2}) if msg.type is MsgType.HEARTBEAT else None
+        if msg.type is not MsgType.HEARTBEAT:
+            return None
+        return Message(MsgType.HEARTBEAT, seq=msg.seq, meta={"version": 2})  # echoes seq, as a server does
 
     try:
         wait_for(
@@ -135,11 +137,18 @@ def test_the_gateway_follows_an_inference_server_to_its_new_address_and_its_work
             interval=0.01,
             what="the request at the first address",
         )
+        # The old server's last heartbeat answer is still queued on the gateway's socket.
+        source.replicas[0].last_ping = 0.0  # a ping goes out now
+        source.tick()
+        wait_for(lambda: old.pump(heartbeat) or source.replicas[0].sock.poll(0), what="an answer queued")
         old.close()  # the server's node is gone with the request
         new = routers("127.0.0.2")
         moved = follow_all({"inference": [{"requests": new.address}]}, source, None)
         assert moved == [f"inference server 0: {old.address} -> {new.address}"]
         assert source.replicas[0].address == new.address and not source.replicas[0].up
+        # That answer (where the disconnect did not discard it) is the old server's: it must
+        # not bring the replica up, or the request would go down the old connection, lost.
+        assert source.results() == [] and not source.replicas[0].up
 
         def answer(msg: Message) -> Message | None:
             if msg.type is MsgType.HEARTBEAT:
