@@ -369,7 +369,7 @@ class TeleopLoop:
         with self._lock:
             return TeleopState(**vars(self.state))
 
-    def hold_for_ramp(self) -> None:
+    def _hold_for_ramp(self) -> None:
         """During a release's ramp the operator's keys no longer count: the env holds."""
         with self._lock:
             self.deadman.hold("released")
@@ -418,7 +418,7 @@ class TeleopLoop:
             while not self._stop.is_set():
                 ramping = self._ramp.is_set()
                 if ramping:
-                    self.hold_for_ramp()
+                    self._hold_for_ramp()
                 action, env, holding = self._action(time.monotonic())
                 driven = np.zeros(self.num_envs, bool)
                 driven[env] = True  # the operator's env: its steps are interventions
@@ -431,7 +431,6 @@ class TeleopLoop:
                     self.env.policy_version = np.where(driven, 0, theirs[1])
                 if ramping:
                     holding = f"handing back to the policy ({ramped + 1}/{self.ramp_steps})"
-                    ramped += 1
                 try:
                     obs, *_ = self.env.step(action.astype(self.dtype))
                 except RemoteError as exc:
@@ -446,6 +445,7 @@ class TeleopLoop:
                     joints = obs.get("joint_pos")
                     if joints is not None:
                         self.state.joint_pos = [round(float(j), 4) for j in joints[env]]
+                ramped += ramping  # a step taken: the ramp moves on
                 if ramping and ramped >= self.ramp_steps:
                     ended = "released to the policy"
                     break
