@@ -49,6 +49,7 @@ import yaml
 
 from benchmarks.procs import Processes
 from benchmarks.records import Record
+from benchmarks.sched_probe import percentile
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +86,6 @@ START_TIMEOUT_S = 90.0
 def _windows(quick: bool) -> tuple[float, float, int, int]:
     """(warm-up s, measured s, teleop presses, e-stops) of each repeat."""
     return (1.0, 2.0, 5, 5) if quick else (2.0, 5.0, 15, 20)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 class ConsoleRun:
@@ -230,8 +226,8 @@ def _measure(run: ConsoleRun, browser: Any, quick: bool, values: dict[str, list[
             time.sleep(0.3)
         page.get_by_role("button", name="Release").click()
         if lat:
-            add("console.teleop_ms.p50", _percentile(lat, 50))
-            add("console.teleop_ms.p99", _percentile(lat, 99))
+            add("console.teleop_ms.p50", percentile(lat, 50))
+            add("console.teleop_ms.p99", percentile(lat, 99))
         add("console.control_period_ms", 1000.0 / run.control_hz)
 
         pages += [_viewer(browser, run.url, run.uid, env) for env in range(1, NUM_ENVS)]
@@ -243,8 +239,8 @@ def _measure(run: ConsoleRun, browser: Any, quick: bool, values: dict[str, list[
         add("console.frames_per_s.v4", statistics.mean(rates))
         lats = [float(v) for p in pages for v in p.evaluate("window.consoleCamera.latencies")]
         if lats:
-            add("console.glass_to_glass_ms.p50", _percentile(lats, 50))
-            add("console.glass_to_glass_ms.p99", _percentile(lats, 99))
+            add("console.glass_to_glass_ms.p50", percentile(lats, 50))
+            add("console.glass_to_glass_ms.p99", percentile(lats, 99))
 
         # E-stop under full camera load: from the page, and straight to the gateway, while a
         # bare process measures how late anything on this machine wakes (the floor).
@@ -266,8 +262,8 @@ def _measure(run: ConsoleRun, browser: Any, quick: bool, values: dict[str, list[
             run.control.request("estop", timeout_s=5.0, engaged=False, reason="bench baseline")
             time.sleep(0.2)
         if page_ms:
-            add("console.estop_ms.p99", _percentile(page_ms, 99))
-        add("console.estop_gateway_ms.p99", _percentile(gateway_ms, 99))
+            add("console.estop_ms.p99", percentile(page_ms, 99))
+        add("console.estop_gateway_ms.p99", percentile(gateway_ms, 99))
         try:
             out, _ = floor.communicate(timeout=stops * 0.5 + 30.0)
             add("console.wake_ms.p99", float(json.loads(out)["p99_ms"]))

@@ -212,21 +212,16 @@ def check_scheduling() -> list[Check]:
         autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
     except OSError:
         autogroup = False
-    raising = "allowed" if may_set_niceness(os.getpriority(os.PRIO_PROCESS, 0) - 1) else "not allowed"
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    raising = may_set_niceness(niceness - 1)
+    sessions = (
+        "on: run.nice nices each service's session too" if autogroup else "off: run.nice nices the process"
+    )
     detail = (
-        f"{cpus} CPU(s), niceness {os.getpriority(os.PRIO_PROCESS, 0)}; autogroup "
-        + (
-            "on: run.nice nices each service's session too"
-            if autogroup
-            else "off: run.nice nices the process"
-        )
-        + f"; run.nice below 0 {raising}"
+        f"{cpus} CPU(s), niceness {niceness}; autogroup {sessions}; "
+        f"run.nice below 0 {'allowed' if raising else 'not allowed'}"
     )
-    fix = (
-        ""
-        if raising == "allowed"
-        else "run.nice < 0 needs CAP_SYS_NICE or a nice entry in /etc/security/limits.conf"
-    )
+    fix = "" if raising else "run.nice < 0 needs CAP_SYS_NICE or a nice entry in /etc/security/limits.conf"
     return [Check("scheduling", True, detail, fix)]
 
 

@@ -41,9 +41,7 @@ def may_set_niceness(niceness: int) -> bool:
     if niceness >= os.getpriority(os.PRIO_PROCESS, 0):
         return True
     soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
-    if soft != resource.RLIM_INFINITY and 20 - soft <= niceness:
-        return True
-    return soft == resource.RLIM_INFINITY or has_sys_nice()
+    return soft == resource.RLIM_INFINITY or 20 - soft <= niceness or has_sys_nice()
 
 
 def set_session_niceness(niceness: int) -> bool:
