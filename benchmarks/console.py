@@ -17,10 +17,14 @@ and then 4 viewers, each a page logged in and watching its own env's camera:
   whose header carries the action that led to the frame), key released in between;
   baseline ``console.control_period_ms``, one period of the env's control rate (the
   console steps the worker at that rate, so a press waits up to one period);
-- ``console.estop_ms.p99``: the page's ``POST /api/estop`` until the console's answer
-  (sent once the gateway took the e-stop), with the 4 viewers streaming; baseline
-  ``console.estop_gateway_ms.p99``, the gateway's ``estop`` command straight from this
-  process over the same load; beside them ``console.wake_ms.p99``, how late a bare
+- ``console.estop_ms.p99``: the e-stop's latency, from the moment the page sends it
+  (what the E-stop button runs: a message on the page's e-stop WebSocket; the page's
+  clock) to the moment the gateway engaged it (the gateway's clock, ``t_engaged_ms`` in
+  the answer; one host, one clock), with the 4 viewers streaming;
+  ``console.estop_rtt_ms.p99``: the same until the answer is back in the page (what the
+  page shows; the way back adds the browser's own hops);
+  baseline of both ``console.estop_gateway_ms.p99``, the gateway's ``estop`` command
+  straight from this process over the same load; beside them ``console.wake_ms.p99``, how late a bare
   process in a session of its own wakes from 10 ms sleeps over that window
   (``benchmarks/sched_probe.py``): the wait for a core that each of the e-stop's hops
   (page, browser, network service, console, gateway, and back) may meet.
@@ -64,6 +68,7 @@ NAMES: tuple[str, ...] = (
     "console.teleop_ms.p99",
     "console.control_period_ms",
     "console.estop_ms.p99",
+    "console.estop_rtt_ms.p99",
     "console.estop_gateway_ms.p99",
     "console.wake_ms.p99",
 )
@@ -191,11 +196,12 @@ TELEOP_PRESS = """async ([sign]) => {
   return shown === null ? null : shown - t0;
 }"""
 ESTOP = """async () => {
+  const sent = performance.timeOrigin + performance.now();
   const t0 = performance.now();
-  const r = await fetch("/api/estop", { method: "POST", headers: { "Content-Type": "application/json" }, body: "{}" });
+  const body = await window.consoleEstop();  // what the E-stop button (and Escape) runs
   const ms = performance.now() - t0;
   await fetch("/api/resume", { method: "POST", headers: { "Content-Type": "application/json" }, body: "{}" });
-  return r.ok ? ms : null;
+  return body.t_engaged_ms ? [body.t_engaged_ms - sent, ms] : null;
 }"""
 
 
@@ -244,7 +250,7 @@ def _measure(run: ConsoleRun, browser: Any, quick: bool, values: dict[str, list[
 
         # E-stop under full camera load: from the page, and straight to the gateway, while a
         # bare process measures how late anything on this machine wakes (the floor).
-        page_ms, gateway_ms = [], []
+        engaged_ms, page_ms, gateway_ms = [], [], []
         floor = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.sched_probe", f"{stops * 0.5:.1f}"],
             stdout=subprocess.PIPE,
@@ -252,9 +258,10 @@ def _measure(run: ConsoleRun, browser: Any, quick: bool, values: dict[str, list[
             start_new_session=True,
         )
         for _ in range(stops):
-            ms = pages[0].evaluate(ESTOP)
-            if ms is not None:
-                page_ms.append(float(ms))
+            timed = pages[0].evaluate(ESTOP)
+            if timed is not None:
+                engaged_ms.append(float(timed[0]))
+                page_ms.append(float(timed[1]))
             time.sleep(0.2)
             t0 = time.perf_counter()
             run.control.request("estop", timeout_s=5.0, engaged=True, reason="bench baseline")
@@ -262,7 +269,8 @@ def _measure(run: ConsoleRun, browser: Any, quick: bool, values: dict[str, list[
             run.control.request("estop", timeout_s=5.0, engaged=False, reason="bench baseline")
             time.sleep(0.2)
         if page_ms:
-            add("console.estop_ms.p99", percentile(page_ms, 99))
+            add("console.estop_ms.p99", percentile(engaged_ms, 99))
+            add("console.estop_rtt_ms.p99", percentile(page_ms, 99))
         add("console.estop_gateway_ms.p99", percentile(gateway_ms, 99))
         try:
             out, _ = floor.communicate(timeout=stops * 0.5 + 30.0)
@@ -341,7 +349,12 @@ def run(quick: bool, repeats: int) -> list[Record]:
         "console.estop_ms.p99": (
             "ms",
             "console.estop_gateway_ms.p99",
-            "page POST /api/estop under 4 camera viewers; target <= 50 ms",
+            "page's e-stop sent -> gateway engaged, 4 camera viewers; target <= 50 ms",
+        ),
+        "console.estop_rtt_ms.p99": (
+            "ms",
+            "console.estop_gateway_ms.p99",
+            "page's e-stop sent -> its answer back in the page, same load",
         ),
         "console.estop_gateway_ms.p99": (
             "ms",

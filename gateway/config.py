@@ -205,6 +205,13 @@ class RunConfig:
     process and its session. Below 0 (a higher priority, e.g. ``{gateway: -5, console: -5}``
     for a fast e-stop on saturated cores) needs ``CAP_SYS_NICE`` or a ``nice`` limit in
     ``/etc/security/limits.conf``; without it ``loopgate up`` refuses the config."""
+    realtime_priority: int = 10
+    """Real-time (``SCHED_FIFO``) priority, 1-99, of the control loop's hub and the e-stop's
+    path: every thread of the gateway, and the console's event loop with its ZeroMQ I/O
+    threads, so neither an e-stop nor an action waits for a core that simulators, cameras,
+    browsers or the trainer keep busy. Taken where the system allows it (``CAP_SYS_NICE``,
+    or an ``rtprio`` limit in ``/etc/security/limits.conf`` as real-time ROS 2 setups have);
+    elsewhere logged once and left at normal priority. 0: off."""
     engine: Literal["local", "ray"] = "local"
     """Who starts and watches the services: ``local`` (child processes of ``loopgate up``) or
     ``ray`` (one Ray actor per service on a Ray cluster; ``loopgate up --ray ADDRESS``)."""
@@ -229,6 +236,10 @@ class RunConfig:
         for name, value in self.nice.items():
             if not -20 <= value <= 19:
                 raise ConfigError(f"run.nice.{name} must be in -20..19, got {value}")
+        if not 0 <= self.realtime_priority <= 99:
+            raise ConfigError(
+                f"run.realtime_priority must be in 0..99 (0: off), got {self.realtime_priority}"
+            )
         if self.max_env_steps is not None and self.max_env_steps < 1:
             raise ConfigError(f"run.max_env_steps must be >= 1, got {self.max_env_steps}")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:

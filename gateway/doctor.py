@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gateway import __version__
+from gateway.config import RunConfig
 from gateway.factory import ConfigError
-from gateway.priority import may_set_niceness
+from gateway.priority import may_set_niceness, may_use_realtime
 from gateway.registry import ISAAC_HINT
 from gateway.venvs import check_interpreter
 
@@ -206,7 +207,9 @@ def check_browser() -> list[Check]:
 def check_scheduling() -> list[Check]:
     """How ``run.nice`` will act here: the CPUs this process may use, its niceness,
     whether the kernel shares the CPU between sessions first (autogroup: each service's
-    session is niced with it), and whether a priority may be raised (``run.nice`` < 0)."""
+    session is niced with it), whether a priority may be raised (``run.nice`` < 0), and
+    whether ``run.realtime_priority`` will take (``SCHED_FIFO`` for the gateway and the
+    e-stop's path)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
     try:
         autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
@@ -217,12 +220,20 @@ def check_scheduling() -> list[Check]:
     sessions = (
         "on: run.nice nices each service's session too" if autogroup else "off: run.nice nices the process"
     )
+    realtime = may_use_realtime(RunConfig().realtime_priority)
     detail = (
         f"{cpus} CPU(s), niceness {niceness}; autogroup {sessions}; "
-        f"run.nice below 0 {'allowed' if raising else 'not allowed'}"
+        f"run.nice below 0 {'allowed' if raising else 'not allowed'}; run.realtime_priority "
+        f"{'takes (SCHED_FIFO)' if realtime else 'not allowed: normal priority'}"
     )
-    fix = "" if raising else "run.nice < 0 needs CAP_SYS_NICE or a nice entry in /etc/security/limits.conf"
-    return [Check("scheduling", True, detail, fix)]
+    fixes = (
+        [] if raising else ["run.nice < 0 needs CAP_SYS_NICE or a nice entry in /etc/security/limits.conf"]
+    )
+    if not realtime:
+        fixes.append(
+            "real-time priority for the gateway and the e-stop needs CAP_SYS_NICE or an rtprio entry"
+        )
+    return [Check("scheduling", True, detail, "; ".join(fixes))]
 
 
 def run_checks() -> list[Check]:

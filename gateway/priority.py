@@ -1,4 +1,4 @@
-"""A service's scheduling priority: its own niceness, and its session's where the kernel groups sessions.
+"""A service's scheduling priority: its niceness (and its session's), and the e-stop path's real-time priority.
 
 Every service of a run starts in a session of its own (``start_new_session``). With the
 kernel's autogroup scheduling (``CONFIG_SCHED_AUTOGROUP``, on by default in most Linux
@@ -11,14 +11,30 @@ may lower a priority, raising one needs ``CAP_SYS_NICE``)::
 
     def prepare_child():            # preexec_fn of a service started in its own session
         set_session_niceness(os.nice(10))
+
+The control loop's hub and the e-stop's path run at a real-time priority where the
+system allows it (:func:`go_realtime`, ``run.realtime_priority``): every thread of the
+gateway, and the console's event loop with its ZeroMQ I/O threads. A ``SCHED_FIFO``
+thread runs as soon as it is woken, ahead of every normal thread, so on cores saturated
+by simulators, camera rendering, browsers or the trainer neither an e-stop nor an action
+waits its turn at each hop. The whole gateway, not only its e-stop thread: that thread
+needs the GIL, and a loop preempted while holding it would hold the e-stop up too. These
+threads sleep until a message comes and do little per message; the kernel's real-time
+throttling (``/proc/sys/kernel/sched_rt_runtime_us``) still leaves normal threads their
+share should one of them spin::
+
+    go_realtime(10, "gateway", every_thread=True)   # True where it took
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import resource
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 AUTOGROUP = "/proc/self/autogroup"
 CAP_SYS_NICE = 23
@@ -64,3 +80,54 @@ def session_niceness(pid: int) -> int | None:
         return None
     words = text.split()
     return int(words[-1]) if len(words) >= 3 and words[-2] == "nice" else None
+
+
+def may_use_realtime(priority: int) -> bool:
+    """Whether this process may run threads at ``SCHED_FIFO`` ``priority``: within
+    ``RLIMIT_RTPRIO`` (``limits.conf``'s ``rtprio``, as real-time ROS 2 setups grant) or
+    with ``CAP_SYS_NICE``."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_RTPRIO)
+    return soft == resource.RLIM_INFINITY or soft >= priority or has_sys_nice()
+
+
+def zmq_io_threads() -> list[int]:
+    """Thread ids of this process's ZeroMQ I/O threads (libzmq names them ``ZMQbg/IO/<n>``)."""
+    found = []
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/self/task/{tid}/comm").read_text().startswith("ZMQbg/IO"):
+                found.append(int(tid))
+    return sorted(found)
+
+
+def go_realtime(priority: int, what: str, *, every_thread: bool = False) -> bool:
+    """Run the calling thread and this process's ZeroMQ I/O threads (``every_thread``: every
+    thread of the process) at ``SCHED_FIFO`` ``priority``; whether it took (``0``: leave
+    them as they are). Threads started later inherit the priority of the thread that
+    starts them, a context's I/O thread included (it starts with the context's first
+    socket). Where real-time scheduling is not allowed this logs once what would allow it
+    and changes nothing."""
+    if priority <= 0:
+        return False
+    if not may_use_realtime(priority):
+        log.warning(
+            "%s runs at normal priority: real-time priority %d needs CAP_SYS_NICE or an rtprio "
+            "limit (`@group - rtprio %d` in /etc/security/limits.conf); on saturated cores an "
+            "e-stop or an action may then wait for a core at each hop",
+            what,
+            priority,
+            priority,
+        )
+        return False
+    param = os.sched_param(priority)
+    others = [int(t) for t in os.listdir("/proc/self/task")] if every_thread else zmq_io_threads()
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, param)
+        for tid in others:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setscheduler(tid, os.SCHED_FIFO, param)
+    except OSError as exc:  # a container's seccomp or cgroup may refuse what the limits allow
+        log.warning("%s: real-time priority %d refused (%s); it runs at normal priority", what, priority, exc)
+        return False
+    log.info("%s at real-time priority %d (SCHED_FIFO), %d thread(s)", what, priority, len(set(others)) or 1)
+    return True

@@ -190,6 +190,7 @@ def test_doctor_reports_what_is_installed():
     assert "ros2 launch" in checks and "launch" in checks["ros2 launch"]["detail"]
     # How run.nice acts on this machine (docs/architecture.md).
     assert "CPU(s)" in checks["scheduling"]["detail"] and "autogroup" in checks["scheduling"]["detail"]
+    assert "run.realtime_priority" in checks["scheduling"]["detail"]
 
 
 def test_keys_are_made_once_and_not_overwritten(tmp_path):

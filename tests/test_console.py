@@ -248,6 +248,42 @@ def test_foreign_origin_and_missing_session_are_refused(run: Run) -> None:
     assert not run.status()["estopped"]
 
 
+@pytest.mark.integration
+def test_the_estop_websocket_engages_answers_bad_messages_and_refuses_strangers(run: Run) -> None:
+    """``/ws/estop``, the page's e-stop: a viewer engages it with one message and hears when
+    the gateway engaged it; a malformed message is answered and the socket stays usable;
+    a foreign Origin or no session is refused at the handshake. The POST stays the way
+    for a page whose socket is down."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    viewer = session_cookie(run, VIEWER)
+    ws_url = run.url.replace("http://", "ws://") + "/ws/estop"
+    for headers in ({"Cookie": viewer, "Origin": "http://evil.example"}, {"Origin": run.url}):
+        with pytest.raises(InvalidStatus) as refused:
+            connect(ws_url, additional_headers=headers, open_timeout=5)
+        assert refused.value.response.status_code == 403
+    try:
+        with connect(ws_url, additional_headers={"Cookie": viewer, "Origin": run.url}, open_timeout=5) as ws:
+            for bad in ("not json", json.dumps({"type": "resume", "id": 1}), json.dumps([1, 2])):
+                ws.send(bad)
+                answer = json.loads(ws.recv(timeout=5))
+                assert answer["type"] == "error" and "estop" in answer["message"], answer
+            assert not run.status()["estopped"]
+            sent_ms = time.time() * 1e3
+            ws.send(json.dumps({"type": "estop", "id": 7}))
+            answer = json.loads(ws.recv(timeout=10))
+            assert answer["type"] == "estop" and answer["id"] == 7 and answer["estopped"] is True, answer
+            assert sent_ms <= answer["t_received_ms"] <= answer["t_engaged_ms"] <= answer["t_answered_ms"]
+            assert run.status()["estopped"]
+        run.control.request("estop", timeout_s=5.0, engaged=False, reason="test")
+        status, body = post(run, "/api/estop", cookie=viewer, origin=run.url)
+        assert status == 200 and body["estopped"] is True and body["t_engaged_ms"] >= body["t_received_ms"]
+        assert run.status()["estopped"]
+    finally:
+        run.control.request("estop", timeout_s=5.0, engaged=False, reason="test cleanup")
+
+
 @pytest.mark.browser
 def test_viewer_cannot_take_over_or_resume(console_page: Any, run: Run, tmp_path: Path) -> None:
     page = console_page

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import zmq
@@ -160,10 +161,9 @@ def test_estop_stops_every_worker_and_release_resumes(gateway_run):
     workers = [run.worker(0), run.worker(1)]
     wait_for(lambda: every_worker_stepped(run, 2, 100), what="two workers streaming")
     reply = run.control.request("estop", engaged=True, reason="operator")
+    assert time.time() - 60 < reply.pop("t_engaged") <= time.time()  # when it took effect
     assert reply == {"estopped": True, "workers": 2, "epoch": 1}
     halted = steps(run)
-    import time
-
     time.sleep(1.0)
     # At most the steps already in flight when the stop arrived are recorded after it.
     assert steps(run) - halted <= 2 * 4

@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_path=run_dir / "metrics.jsonl",
         log_level=args.log_level,
         policy_source=_policy_source(cfg, run_dir, endpoints),
+        realtime_priority=cfg.run.realtime_priority,
     )
 
 
@@ -131,6 +132,7 @@ def serve(
     metrics_path: Path,
     log_level: str = "INFO",
     policy_source: Callable[[], Any] | None = None,
+    realtime_priority: int = 0,
 ) -> int:
     import uvicorn
 
@@ -157,6 +159,7 @@ def serve(
         frames=FrameSource([str(a) for a in taps]),
         recorder=Recorder(_replay_control(endpoints), mark_reward=cfg.mark_success_reward),
         policy_source=policy_source,
+        realtime_priority=realtime_priority,
     )
     link.start()
     assert console.frames is not None

@@ -19,10 +19,11 @@ Bad requests are answered ``{"error": ...}`` with a 4xx status; the page shows i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from gateway.console.link import GatewayLink
 from gateway.console.metrics import MetricsTail
 from gateway.console.recording import Recorder, RecordingError
 from gateway.console.teleop import CommandError, TeleopLoop, TeleopSettings, parse_command
+from gateway.priority import go_realtime
 from gateway.protocol import RemoteError, Timeout
 from gateway.tap import TapFrame
 
@@ -70,6 +72,9 @@ class ConsoleApp:
     teleop: TeleopLoop | None = None
     teleop_owner: object | None = None
     teleop_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    realtime_priority: int = 0
+    """``run.realtime_priority``: the event loop's (and its ZeroMQ I/O threads') real-time
+    priority, taken at start-up (:func:`gateway.priority.go_realtime`); 0: normal."""
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -79,7 +84,19 @@ def _error(status: int, message: str) -> JSONResponse:
 def create_app(console: ConsoleApp) -> FastAPI:
     cfg = console.config
     sessions = Sessions(cfg.session_ttl_s)
-    app = FastAPI(title="loopgate console", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # This thread (the event loop serving POST /api/estop) and the I/O threads running
+        # already; then the e-stop's socket, whose context's I/O thread, started from here,
+        # inherits the priority.
+        go_realtime(console.realtime_priority, "console event loop")
+        console.link.estop_line()
+        yield
+
+    app = FastAPI(
+        title="loopgate console", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     app.state.console = console
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
@@ -158,25 +175,70 @@ def create_app(console: ConsoleApp) -> FastAPI:
         series = console.metrics.series()
         return JSONResponse({"series": series, "histograms": console.metrics.histograms()})
 
-    # The e-stop path: a plain POST served on the event loop with its own control
-    # connection; it never waits for the WebSockets, the status poller, a takeover or a
-    # thread of the pool (the takeover's release runs there, after the answer).
+    # The e-stop path, served on the event loop with its own control connection: it never
+    # waits for the other WebSockets, the status poller, a takeover or a thread of the pool
+    # (the takeover's release runs there, after the answer). The page sends it on its own
+    # WebSocket (/ws/estop, open from login on: no request to set up when it counts), or
+    # as a plain POST when that socket is down.
+    async def engage_estop(role: Role, received: float) -> dict[str, Any]:
+        """Engage the gateway's e-stop; the answer, with the unix ms of each leg (when the
+        console had the request, the gateway engaged it, the console answered)."""
+        reply = await console.link.estop_async(True, f"console ({role})")
+        answer: dict[str, Any] = {"estopped": True, "reply": reply, "t_received_ms": received * 1e3}
+        if isinstance(reply.get("t_engaged"), float):
+            answer["t_engaged_ms"] = reply["t_engaged"] * 1e3
+        answer["t_answered_ms"] = time.time() * 1e3
+        log.warning("e-stop engaged from the console (%s)", role)
+        if console.teleop is not None:
+            console.teleop.hold("e-stop")
+        return answer
+
     @app.post("/api/estop")
     async def estop(request: Request, background: BackgroundTasks) -> JSONResponse:
+        received = time.time()
         if (refused := refuse_post(request)) is not None:
             return refused
         role = role_of(request)
         if role is None:
             return _error(401, "not logged in")
         try:
-            reply = await console.link.estop_async(True, f"console ({role})")
+            answer = await engage_estop(role, received)
         except (Timeout, RemoteError) as exc:
             return _error(502, f"the gateway did not take the e-stop: {exc}")
-        log.warning("e-stop engaged from the console (%s)", role)
         if console.teleop is not None:
-            console.teleop.hold("e-stop")
             background.add_task(_release, console)
-        return JSONResponse({"estopped": True, "reply": reply})
+        return JSONResponse(answer)
+
+    @app.websocket("/ws/estop")
+    async def estop_ws(ws: WebSocket) -> None:
+        role = await admit(ws)
+        if role is None:
+            return
+        try:
+            while True:
+                text = await ws.receive_text()
+                received = time.time()
+                try:
+                    msg = json.loads(text)
+                    ref = msg.get("id") if isinstance(msg, dict) else None
+                except ValueError:
+                    msg, ref = None, None
+                if not isinstance(msg, dict) or msg.get("type") != "estop":
+                    await ws.send_text(
+                        json.dumps({"type": "error", "id": ref, "message": 'send {"type": "estop"}'})
+                    )
+                    continue
+                try:
+                    answer = await engage_estop(role, received)
+                except (Timeout, RemoteError) as exc:
+                    error = f"the gateway did not take the e-stop: {exc}"
+                    await ws.send_text(json.dumps({"type": "error", "id": ref, "message": error}))
+                    continue
+                await ws.send_text(json.dumps({"type": "estop", "id": ref, **answer}))
+                if console.teleop is not None:
+                    await run_in_threadpool(_release, console)
+        except (WebSocketDisconnect, RuntimeError):
+            return
 
     @app.post("/api/resume")
     async def resume(request: Request) -> JSONResponse:

@@ -122,6 +122,10 @@ class GatewayLink:
             "workers": workers,
         }
 
+    def estop_line(self) -> None:
+        """Open the e-stop's connection now (on the running event loop), not at the first e-stop."""
+        self._async_line()
+
     def _async_line(self) -> tuple[asyncio.Lock, zmq.asyncio.Socket]:
         loop = asyncio.get_running_loop()
         if self._async_stop is None or self._async_stop[0] is not loop:

@@ -23,6 +23,7 @@ from gateway import lifeline
 from gateway.config import ConfigError
 from gateway.hub.assembly import build_gateway
 from gateway.hub.core import TICK_S, Gateway
+from gateway.priority import go_realtime
 from gateway.services import freeze_heap
 
 log = logging.getLogger("gateway.hub")
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _stop)
     try:
         freeze_heap()
+        # Every thread, before the loop starts its control line (which inherits it).
+        go_realtime(gateway.realtime_priority, "gateway", every_thread=True)
         gateway.run()
         drain_on_exit(gateway, gateway.config.stop_drain_s)
         gateway.emit_metrics()  # the final counts, however short the run

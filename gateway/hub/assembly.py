@@ -101,6 +101,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         trace=MetricsWriter(run_dir / "trace.jsonl", "gateway", serve=False),
         max_env_steps=max_steps,
         endpoints=EndpointsFollower(endpoints_path),
+        realtime_priority=cfg.run.realtime_priority,
     )
     if "gateway" not in endpoints:
         endpoints["gateway"] = gateway.addresses

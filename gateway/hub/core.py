@@ -83,6 +83,7 @@ class Gateway:
         max_env_steps: int | None = None,
         context: zmq.Context[Any] | None = None,
         endpoints: EndpointsFollower | None = None,
+        realtime_priority: int = 0,
     ) -> None:
         self.config = config
         self.endpoints = endpoints
@@ -102,6 +103,8 @@ class Gateway:
         self.addresses = {"workers": bind(self.workers_sock, addresses["workers"], keys)}
         self.state = Collection(max_env_steps=max_env_steps, env_steps=recorder.counters.acked_steps)
         self.sessions: dict[str, WorkerSession] = {}
+        self.realtime_priority = realtime_priority
+        """``run.realtime_priority``: the process's real-time priority, taken by ``main`` (0: normal)."""
         self.control = ControlDesk(self, self._ctx, addresses["control"], keys)
         self.addresses["control"] = self.control.address
         self.clients = ClientRouter(self, self._ctx, addresses["clients"], keys)

@@ -16,7 +16,10 @@ an e-stop being engaged, which it applies at once:
    subscription took effect.
 
 Numpy copies and socket I/O release the GIL, so the thread answers within a scheduling
-slice however long the loop's turn is. Every e-stop command (engaged or released) gets
+slice however long the loop's turn is. Under ``loopgate up`` the gateway runs at a
+real-time priority where the system allows it (``run.realtime_priority``,
+:mod:`gateway.priority`): this thread and the loop, whose GIL it may need, then get a
+core the moment they are woken, however busy simulators and browsers keep the cores. Every e-stop command (engaged or released) gets
 an epoch, in the order the control socket received them; a worker applies a command only
 if its epoch is newer than the last it applied, so the bus and the workers' socket may
 deliver the same command in either order, and a release the loop handles after a later
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -142,7 +146,8 @@ class ControlLine:
             return
         command = estop_command(True, reason, epoch)
         send(self.bus, command)
-        reply = {"estopped": True, "workers": self.sessions(), "epoch": epoch}
+        # When it took effect (unix s): a caller measures press-to-engaged from it.
+        reply = {"estopped": True, "workers": self.sessions(), "epoch": epoch, "t_engaged": time.time()}
         send(self.front, Message(MsgType.REPLY, seq=msg.seq, meta=reply), route=[frames[0]])
         send(self._relay, command, route=[INTERNAL])
 

@@ -9,6 +9,9 @@ const SEND_MS = 50;
 let role = null;
 let fleetSocket = null;
 let teleopSocket = null;
+let estopSocket = null;
+let estopId = 0;
+const estopWaiting = new Map();  // id -> [resolve, reject] of an e-stop sent on estopSocket
 let inControl = false;
 let actionSize = 3;
 let seq = 0;
@@ -51,6 +54,7 @@ function showMain(newRole) {
   $("resume").disabled = role !== "operator";
   $("takeover").disabled = false;
   openFleet();
+  openEstop();
   openTeleop();
   refreshMetrics();
 }
@@ -61,6 +65,41 @@ function openFleet() {
   fleetSocket.onmessage = (event) => renderFleet(JSON.parse(event.data));
   fleetSocket.onclose = () => { fleetSocket = null; if (role) setTimeout(openFleet, 1000); };
 }
+
+// The e-stop's own WebSocket, open from login on, so pressing E-stop sends one message on
+// a connection that is already there; a POST is the way when it is not (estop()).
+function openEstop() {
+  if (estopSocket) return;
+  estopSocket = new WebSocket(wsUrl("/ws/estop"));
+  estopSocket.onmessage = (event) => {
+    const msg = JSON.parse(event.data);
+    const waiting = estopWaiting.get(msg.id);
+    if (!waiting) return;
+    estopWaiting.delete(msg.id);
+    if (msg.type === "estop") waiting[0](msg); else waiting[1](new Error(msg.message));
+  };
+  estopSocket.onclose = () => {
+    estopSocket = null;
+    for (const [, waiting] of estopWaiting) waiting[1](new Error("the e-stop connection closed"));
+    estopWaiting.clear();
+    if (role) setTimeout(openEstop, 1000);
+  };
+}
+
+// Engage the e-stop: on its WebSocket when open, else (or when that gets no answer within
+// two seconds) by POST. Resolves with the console's answer (t_engaged_ms: when the gateway
+// engaged it).
+async function estop() {
+  if (estopSocket && estopSocket.readyState === WebSocket.OPEN) {
+    const id = ++estopId;
+    const answered = new Promise((resolve, reject) => estopWaiting.set(id, [resolve, reject]));
+    estopSocket.send(JSON.stringify({ type: "estop", id }));
+    const late = new Promise((_, reject) => setTimeout(() => reject(new Error("no answer")), 2000));
+    try { return await Promise.race([answered, late]); } catch (e) { estopWaiting.delete(id); }
+  }
+  return post("/api/estop");
+}
+window.consoleEstop = estop;
 
 function text(value) { return value === null || value === undefined ? "-" : String(value); }
 
@@ -299,12 +338,12 @@ $("login-form").addEventListener("submit", async (event) => {
 $("logout").addEventListener("click", async () => {
   try { await post("/api/logout"); } finally {
     role = null;
-    for (const socket of [fleetSocket, teleopSocket]) if (socket) socket.close();
+    for (const socket of [fleetSocket, teleopSocket, estopSocket]) if (socket) socket.close();
     showLogin();
   }
 });
 $("estop").addEventListener("click", async () => {
-  try { await post("/api/estop"); hold("e-stop"); showError(""); } catch (e) { showError(`e-stop: ${e.message}`); }
+  try { await estop(); hold("e-stop"); showError(""); } catch (e) { showError(`e-stop: ${e.message}`); }
 });
 $("resume").addEventListener("click", async () => {
   try { await post("/api/resume"); showError(""); } catch (e) { showError(`resume: ${e.message}`); }

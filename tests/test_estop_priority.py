@@ -1,0 +1,134 @@
+"""The control loop's hub and the e-stop's path at real-time priority (``run.realtime_priority``).
+
+On cores saturated by simulators, camera rendering and browsers, each hop of the e-stop
+(the console's event loop, the ZeroMQ I/O threads, the gateway's control line and the
+loop whose GIL it needs) would otherwise wait for a core. These tests read the scheduling policy of real processes'
+threads from the kernel (``sched_getscheduler``); they need the right to use real-time
+scheduling, which root (as in CI) has, and check the refusal by dropping that right
+with ``setpriv``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.priority import may_use_realtime
+from tests.conftest import REPO, wait_for
+from tests.test_reliability import clients_address, ended
+from tests.test_trainer_e2e import up
+
+needs_realtime = pytest.mark.skipif(
+    not may_use_realtime(10), reason="this user may not use real-time scheduling (no CAP_SYS_NICE, no rtprio)"
+)
+
+
+def realtime_threads(pid: int) -> set[int]:
+    """Thread ids of process ``pid`` that run under ``SCHED_FIFO``."""
+    found = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if os.sched_getscheduler(int(tid)) == os.SCHED_FIFO:
+                found.add(int(tid))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return found
+
+
+def pid_of(pattern: str, run: Path) -> int:
+    found = subprocess.run(["pgrep", "-f", f"{pattern}.*{run}"], capture_output=True, text=True)
+    pids = [int(p) for p in found.stdout.split()]
+    assert len(pids) == 1, (pattern, pids)
+    return pids[0]
+
+
+def console_config(tmp_path: Path, priority: int) -> Path:
+    cfg = {
+        "env": {"backend": "mujoco_reach", "workers": 1, "num_envs": 2, "seed": 0},
+        "policy": {"kind": "random"},
+        "console": {"enabled": True, "port": 0},
+        "run": {"max_env_steps": None, "status_interval_s": 0.2, "realtime_priority": priority},
+    }
+    path = tmp_path / "console.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@needs_realtime
+@pytest.mark.e2e
+@pytest.mark.parametrize("priority", [10, 0], ids=["on", "off"])
+def test_the_gateway_and_the_consoles_estop_path_run_at_real_time_priority_and_nothing_else(
+    tmp_path, priority
+):
+    """Under ``loopgate up`` with the console: every thread of the gateway (its loop, its
+    control line, its I/O and writer threads), and the console's event loop and I/O
+    threads, are ``SCHED_FIFO``; the console's other threads and the env worker are not.
+    ``realtime_priority: 0`` leaves every thread at normal priority."""
+    run = tmp_path / "run"
+    proc = up(console_config(tmp_path, priority), run)
+    try:
+        clients_address(run)
+        wait_for(lambda: "console" in json.loads((run / "endpoints.json").read_text()), what="the console")
+        gateway, console = pid_of("gateway.hub", run), pid_of("gateway.console", run)
+        worker = pid_of("gateway.worker", run)
+        if priority:
+
+            def every_thread() -> bool:
+                return realtime_threads(gateway) == {int(t) for t in os.listdir(f"/proc/{gateway}/task")}
+
+            wait_for(every_thread, what="every thread of the gateway")
+            # The event loop is the console's main thread; its I/O threads follow it.
+            wait_for(lambda: console in realtime_threads(console), what="the console's event loop")
+            assert len(realtime_threads(console)) >= 2
+            assert len(realtime_threads(console)) < len(os.listdir(f"/proc/{console}/task"))
+        else:
+            assert realtime_threads(gateway) == set() and realtime_threads(console) == set()
+        assert realtime_threads(worker) == set()
+        proc.send_signal(signal.SIGINT)
+    except BaseException:
+        proc.kill()
+        raise
+    _, summary = ended(proc, run)
+    assert summary["outcome"] == "interrupted"
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) is not installed")
+def test_without_the_right_the_estop_path_stays_at_normal_priority_and_says_what_would_allow_it():
+    """A process without ``CAP_SYS_NICE`` and without an ``rtprio`` limit: nothing changes,
+    and the log names both ways to allow it."""
+    probe = (
+        "import json, logging, os, zmq\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from gateway.priority import go_realtime, zmq_io_threads\n"
+        "sock = zmq.Context.instance().socket(zmq.PAIR)\n"
+        "took = go_realtime(10, 'probe')\n"
+        "print(json.dumps({'took': took, 'policies': [os.sched_getscheduler(0)] +"
+        " [os.sched_getscheduler(t) for t in zmq_io_threads()]}))\n"
+    )
+    drop = ["setpriv", "--bounding-set", "-sys_nice", "--inh-caps", "-sys_nice", "--"]
+    out = subprocess.run(
+        [*drop, sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result == {"took": False, "policies": [os.SCHED_OTHER] * len(result["policies"])}
+    assert "CAP_SYS_NICE" in out.stderr and "rtprio" in out.stderr
+
+
+@pytest.mark.unit
+def test_realtime_priority_outside_0_to_99_is_a_config_error():
+    from gateway.config import ConfigError, RunConfig
+
+    for bad in (-1, 100):
+        with pytest.raises(ConfigError, match=r"run\.realtime_priority"):
+            RunConfig(realtime_priority=bad)
+    assert RunConfig().realtime_priority == 10
