@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from torch import nn
 
 from gateway.factory import experiment_spec
 from gateway.protocol import ErrorCode, Message, MsgType, RemoteError, pack, recv, send
@@ -25,6 +26,7 @@ from inference.server import SOCKETS, InferenceServer
 from inference.weights import WeightsAssembler, WeightsError, WeightsPublisher, check_state_dict
 from networks.config import NetworkConfig
 from networks.modules import make_actor
+from trainer.publish import full_state_dict, non_finite
 
 pytestmark = pytest.mark.integration
 
@@ -233,3 +235,16 @@ def test_state_dicts_of_tensors_are_checked_like_numpy_ones():
         check_state_dict({**good, "w": torch.zeros(2, 3, dtype=torch.float64)}, expected)
     with pytest.raises(WeightsError, match="'w' has NaN or Inf"):
         check_state_dict({**good, "w": torch.full((2, 3), float("inf"))}, expected)
+
+
+@pytest.mark.unit
+def test_a_trainer_snapshot_on_the_device_reuses_its_buffers_and_finds_non_finite_values():
+    """A CPU module stands in for the trainer's GPU one: the snapshot path is the same."""
+    module = nn.Linear(3, 2)
+    first = full_state_dict(module, device=True)
+    assert all(isinstance(v, torch.Tensor) for v in first.values())
+    again = full_state_dict(module, first, device=True)
+    assert all(again[k] is first[k] for k in first)  # into the spare snapshot, no allocation
+    assert again["weight"].data_ptr() != module.weight.data_ptr()  # a copy, never the live weights
+    again["bias"][0] = float("nan")
+    assert non_finite(again) == ["bias"] and non_finite(full_state_dict(module)) == []
