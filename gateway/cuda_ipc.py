@@ -175,7 +175,7 @@ class TorchCuda:
         self.torch.cuda.current_stream(index).synchronize()
 
     def open_event(self, index: int, handle: bytes) -> Any:
-        return self.torch.cuda.Event.from_ipc_handle(index, handle)
+        return self.torch.cuda.Event.from_ipc_handle(self.torch.device("cuda", index), handle)
 
     def wait(self, event: Any, index: int) -> None:
         event.wait(self.torch.cuda.current_stream(index))

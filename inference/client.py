@@ -374,6 +374,9 @@ class InferenceSource(ActionSource):
                     continue
                 replica.moved_at_seq = None
             replica.last_heard = time.monotonic()
+            if msg.type is MsgType.HEARTBEAT:  # before the requests waiting for it go out
+                declared = msg.meta.get("cuda_ipc")
+                replica.cuda = declared if isinstance(declared, dict) else None
             if not replica.up:
                 replica.up = True
                 log.info("inference server %s is up", replica.address)
@@ -386,8 +389,6 @@ class InferenceSource(ActionSource):
                     self._flush_waiting()  # it caught up: what waited for a current server goes
             if msg.type is MsgType.HEARTBEAT:
                 replica.queue_rows = int(msg.meta.get("queue_rows", 0))
-                declared = msg.meta.get("cuda_ipc")
-                replica.cuda = declared if isinstance(declared, dict) else None
                 continue
             entry = replica.inflight.pop(msg.seq, None)
             if entry is None:
