@@ -234,6 +234,7 @@ def test_weights_staging_shares_each_buffer_once_and_the_consumer_copies_out(sta
     assert standin.shared == 3 and set(staging.buffers) == {"w"}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of a machine without CUDA")
 def test_without_cuda_nothing_is_offered_or_declared_and_it_says_why_once(caplog):
     """The real CUDA calls on this CPU machine: torch sees no device."""
     from sim_bridges.batched import TorchEnvBackend
@@ -281,3 +282,17 @@ def test_the_gateway_worker_and_handles_import_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of a machine without CUDA")
+def test_the_gpu_bench_suite_skips_without_cuda_with_one_line_saying_why(caplog):
+    from benchmarks import suites
+
+    run, names = suites.load("gpu")
+    assert {"weights.sync_s.100M.cuda_ipc", "weights.sync_s.100M.host", "obs.infer_us.n4096.cuda_ipc"} <= set(
+        names
+    )
+    with caplog.at_level(logging.INFO):
+        assert run(quick=True, repeats=1) == []
+    (line,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "skipping the GPU suite" in line.message and "sees no CUDA device" in line.message

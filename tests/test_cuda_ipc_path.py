@@ -295,6 +295,7 @@ def test_a_server_without_cuda_ipc_refuses_handles_saying_what_to_send(server_on
 
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of a machine without CUDA")
 def test_without_a_gpu_a_run_asked_for_cuda_ipc_says_why_once_and_collects_with_frames(tmp_path):
     """Real processes (``loopgate up``) and the real CUDA checks: this machine has no GPU."""
     run = tmp_path / "run"
