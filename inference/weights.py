@@ -41,6 +41,7 @@ Other servers get the same version as host buckets, in the same publication.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -53,15 +54,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gateway.cuda_ipc import (
-    DeviceHandle,
-    Staging,
-    check_handle,
-    device_of,
-    dtype_name,
-    log_once,
-    same_device,
-)
+from gateway.cuda_ipc import DeviceHandle, check_handle, dtype_name
 from gateway.protocol import (
     ErrorCode,
     Limits,
@@ -73,8 +66,8 @@ from gateway.protocol import (
     recv,
     send,
 )
-from gateway.shm import host_identity
 from gateway.transport import CurveKeys, connect, make_socket
+from inference.device_weights import Declaration, DeviceRoute, common_device
 
 log = logging.getLogger(__name__)
 
@@ -433,9 +426,8 @@ class WeightsPublisher:
             connect(sock, address, keys)
             self._socks.append(sock)
         self._seq = 1 << 20
-        self._declared: dict[int, dict[str, Any] | None] = {}
-        """Per server: the GPU it takes CUDA IPC handles for (None: none), once asked."""
-        self._staging: Staging | None = None
+        self.gpu = DeviceRoute()
+        """Which servers share this process's GPU (asked once each), and the staging buffers."""
         self.formats: list[str] = []
         """The format each server got in the last publication (``state_dict``, ``cuda_ipc``, ...)."""
 
@@ -451,7 +443,7 @@ class WeightsPublisher:
                 self._socks[i].disconnect(old)
             connect(self._socks[i], new, self.keys)
             self.addresses[i] = new
-            self._declared.pop(i, None)  # another node: another GPU
+            self.gpu.forget(i)  # another node: another GPU
             moved.append(f"weights of inference server {i}: {old} -> {new}")
             log.warning("inference server %d moved: publishing its weights to %s (was %s)", i, new, old)
         return moved
@@ -460,13 +452,15 @@ class WeightsPublisher:
         self, state_dict: Mapping[str, Any], version: int, *, check: bool = True
     ) -> list[dict[str, Any]]:
         """Send a state dict (numpy arrays, or torch tensors) as ``version``; one result per server."""
-        device = _common_device(state_dict) if self.cuda_ipc else None
+        device = common_device(state_dict) if self.cuda_ipc else None
         host: list[Message] | None = None
         handle: list[Message] | None = None
         plans = []
         for i in range(len(self._socks)):
-            if device is not None and self._same_gpu(i, device):
-                handle = handle or [self._device_message(state_dict, version)]
+            if device is not None and self.gpu.same_gpu(
+                i, device, ask=functools.partial(self._ask_declaration, i)
+            ):
+                handle = handle or [self.gpu.message(state_dict, version)]
                 plans.append(handle)
             else:
                 host = host or transfer_messages(
@@ -491,27 +485,8 @@ class WeightsPublisher:
         command = [Message(MsgType.COMMAND, seq=self._seq, meta={"cmd": "rollback"})]
         return self._send([command] * len(self._socks), check)
 
-    # ------------------------------------------------------------------ CUDA IPC
-
-    def _same_gpu(self, i: int, device: Any) -> bool:
-        """Whether server ``i`` declared the GPU the tensors are on (asked once)."""
-        if self._staging is None or self._staging.ops.index(device) != self._staging.index:
-            try:
-                self._staging = Staging(device)
-            except (ValueError, RuntimeError) as exc:
-                log_once("weights go as host buckets: no CUDA IPC from here (%s)", exc)
-                return False
-        if i not in self._declared:
-            declared = self._ask_declaration(i)
-            if isinstance(declared, bool):
-                return False  # no answer now: host buckets this time, ask again next time
-            self._declared[i] = declared
-        mine = {"host": host_identity(), "uuid": self._staging.uuid}
-        return same_device(self._declared[i], mine)
-
-    def _ask_declaration(self, i: int) -> dict[str, Any] | bool | None:
-        """Server ``i``'s ``cuda_ipc`` declaration from METADATA (None: it takes no handles;
-        False: it did not answer in time)."""
+    def _ask_declaration(self, i: int) -> Declaration:
+        """Server ``i``'s ``cuda_ipc`` declaration from METADATA (:data:`Declaration`)."""
         sock = self._socks[i]
         self._seq += 1
         seq = self._seq
@@ -529,23 +504,6 @@ class WeightsPublisher:
             "%s did not say which GPU it runs on; weights go there as host buckets", self.addresses[i]
         )
         return False
-
-    def _device_message(self, state_dict: Mapping[str, Any], version: int) -> Message:
-        assert self._staging is not None
-        handle = self._staging.handle(state_dict)
-        total = sum(t.numel() * t.element_size() for t in state_dict.values())
-        meta = {
-            "version": version,
-            "format": "cuda_ipc",
-            "transfer": uuid.uuid4().hex[:12],
-            "bucket": 0,
-            "buckets": 1,
-            "tensors": len(state_dict),
-            "bytes": total,
-            "parts": {},
-            "cuda_ipc": handle,
-        }
-        return Message(MsgType.WEIGHTS, seq=1, meta=meta)
 
     # ------------------------------------------------------------------- sending
 
@@ -579,7 +537,7 @@ class WeightsPublisher:
                 continue
             result = self._answer(sock, address, plans[i][0].seq, plans[i][-1].seq)
             if not result["ok"] and self.formats[i] == "cuda_ipc":
-                self._declared.pop(i, None)  # ask again: it may have restarted elsewhere or changed
+                self.gpu.forget(i)  # ask again: it may have restarted elsewhere or changed
             results.append(result)
         failed = [r for r in results if not r["ok"]]
         if check and failed:
@@ -610,12 +568,4 @@ class WeightsPublisher:
         for sock in self._socks:
             sock.close(linger=0)
         self._socks = []
-        self._staging = None
-
-
-def _common_device(state_dict: Mapping[str, Any]) -> Any | None:
-    """The device every value of ``state_dict`` is a torch tensor on, or None."""
-    devices = {device_of(v) for v in state_dict.values()}
-    if len(devices) != 1:
-        return None
-    return devices.pop()
+        self.gpu.close()

@@ -125,7 +125,7 @@ def test_a_same_gpu_server_gets_a_handle_and_acts_as_with_host_buckets(servers, 
         np.testing.assert_array_equal(run.actions(0), run.actions(1))
         # The server copied device to device: changing the publisher's tensors changes nothing there.
         before = run.actions(0)
-        publisher._staging.buffers["trunk.0.weight"][0].zero_()  # type: ignore[union-attr]
+        publisher.gpu.staging.buffers["trunk.0.weight"][0].zero_()  # type: ignore[union-attr]
         np.testing.assert_array_equal(run.actions(0), before)
         assert [r["version"] for r in publisher.rollback()] == [2, 2]
         assert run.servers[0].describe()["cuda_ipc"]["uuid"] == "GPU-standin-0000"
