@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -87,7 +88,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SLOTS = 4
-CACHE_SIZE = 256
+CACHE_SIZE = 1024
+"""Storages (and events) a consumer keeps open: a ring's slots, a publisher's staging buffers."""
 _logged: set[str] = set()
 
 
@@ -413,7 +415,11 @@ class Staging:
 
 
 class DeviceReader:
-    """The consumer's side on one GPU: opens storages once (cached), waits on events."""
+    """The consumer's side on one GPU: opens storages once (cached), waits on events.
+
+    Used from a server's socket thread (observations) and its loader thread (weights);
+    the caches are shared under a lock.
+    """
 
     def __init__(self, device: Any, limits: Limits = DEFAULT_LIMITS, cache_size: int = CACHE_SIZE) -> None:
         why = _unusable(device)
@@ -426,6 +432,7 @@ class DeviceReader:
         self.limits, self.cache_size = limits, cache_size
         self._storages: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._events: OrderedDict[bytes, Any] = OrderedDict()
+        self._lock = threading.Lock()
         self.bytes_read = 0
 
     @classmethod
@@ -460,56 +467,55 @@ class DeviceReader:
                 f"CUDA IPC handle for GPU {handle.uuid}; this server runs on {self.uuid}",
             )
 
-    def _open_storage(self, a: ArrayHandle, cache: bool) -> Any:
+    def _cached(self, cache: OrderedDict[Any, Any], key: Any, make: Any) -> Any:
+        """``cache[key]``, made with ``make()`` the first time (least recently used ones go)."""
+        with self._lock:
+            found = cache.get(key)
+            if found is not None:
+                cache.move_to_end(key)
+                return found
+            made = cache[key] = make()
+            while len(cache) > self.cache_size:
+                cache.popitem(last=False)  # tensors still using it keep it open
+            return made
+
+    def _open_storage(self, a: ArrayHandle) -> Any:
         s = a.storage
-        key = (s[1], s[2], s[3], s[4], s[5])
-        storage = self._storages.get(key)
-        if storage is not None:
-            self._storages.move_to_end(key)
-            return storage
+        # The ref counter's slot is new at every share: a buffer freed and reallocated at
+        # the same address is never taken for the old one.
         try:
-            storage = self.ops.open(self.index, s)
+            return self._cached(
+                self._storages, (s[1], s[2], s[3], s[4], s[5]), lambda: self.ops.open(self.index, s)
+            )
         except RuntimeError as exc:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST,
                 f"CUDA IPC handle of {a.key!r} cannot be opened (its producer gone?): {exc}",
             ) from None
-        if cache:
-            self._storages[key] = storage
-            while len(self._storages) > self.cache_size:
-                self._storages.popitem(last=False)
-        return storage
 
     def _wait(self, event: bytes | None) -> None:
         if event is None:
             return  # the producer synchronised before it sent
-        opened = self._events.get(event)
-        if opened is None:
-            try:
-                opened = self.ops.open_event(self.index, event)
-            except RuntimeError as exc:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, f"CUDA IPC event cannot be opened: {exc}"
-                ) from None
-            self._events[event] = opened
-            while len(self._events) > self.cache_size:
-                self._events.popitem(last=False)
+        try:
+            opened = self._cached(self._events, event, lambda: self.ops.open_event(self.index, event))
+        except RuntimeError as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"CUDA IPC event cannot be opened: {exc}") from None
         self.ops.wait(opened, self.index)
 
-    def open(self, handle: DeviceHandle, *, cache: bool = True) -> dict[str, Any]:
+    def open(self, handle: DeviceHandle) -> dict[str, Any]:
         """The handle's tensors, read in place; work queued on this thread's stream after
         this waits for the producer's copy."""
         tensors = {}
         for a in handle.arrays:
-            storage = self._open_storage(a, cache)
-            tensors[a.key] = view(storage, a.dtype, a.shape, a.stride, a.offset)
+            tensors[a.key] = view(self._open_storage(a), a.dtype, a.shape, a.stride, a.offset)
         self._wait(handle.event)
         self.bytes_read += handle.nbytes
         return tensors
 
     def copy_out(self, handle: DeviceHandle) -> dict[str, Any]:
         """Copies of the handle's tensors, complete when this returns (weights: the producer
-        may overwrite its buffers once it is answered); the storages are not kept."""
-        tensors = {k: t.clone() for k, t in self.open(handle, cache=False).items()}
+        may overwrite its buffers once it is answered). The storages stay open: a
+        publisher's staging buffers are the same from one publication to the next."""
+        tensors = {k: t.clone() for k, t in self.open(handle).items()}
         self.ops.synchronize(self.index)
         return tensors

@@ -229,7 +229,7 @@ def test_weights_staging_shares_each_buffer_once_and_the_consumer_copies_out(sta
         for k, v in state.items():
             assert torch.equal(got[k], v)
             assert got[k].data_ptr() != staging.buffers[k][0].data_ptr()  # a copy: the server's own
-    assert standin.shared == 2 and reader._storages == {}  # shared once; never cached by the reader
+    assert standin.shared == standin.opened == 2  # shared once, opened once
     staging.handle({"w": torch.randn(5, 3)})  # a new shape: a new buffer; a name gone: let go
     assert standin.shared == 3 and set(staging.buffers) == {"w"}
 
