@@ -59,7 +59,7 @@ step() {  # step NAME SECONDS COMMAND...
   fi
 }
 
-step "CUDA-only tests" 360 "$PY" -m pytest -m gpu tests/test_cuda_ipc_gpu.py -q -rs -p no:cacheprovider \
+step "CUDA-only tests" 480 "$PY" -m pytest -m gpu tests/test_cuda_ipc_gpu.py -q -rs -p no:cacheprovider \
   --junitxml "$OUT/gpu-tests.xml"
 step "CUDA IPC tests of the CPU side" 180 "$PY" -m pytest tests/test_cuda_ipc.py tests/test_cuda_ipc_weights.py \
   tests/test_cuda_ipc_path.py -q -rs -p no:cacheprovider --junitxml "$OUT/cpu-side-tests.xml"

@@ -113,7 +113,7 @@ def test_a_ring_made_here_is_opened_and_read_by_a_consumer_in_another_process():
     ring.close()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(360)
 def test_a_run_on_one_gpu_sends_observations_as_handles_and_stores_every_step(tmp_path):
     run = tmp_path / "run"
     out = loopgate(
@@ -123,7 +123,7 @@ def test_a_run_on_one_gpu_sends_observations_as_handles_and_stores_every_step(tm
         "--set", "policy.kind=inference", "--set", "inference.enabled=true", "--set", "inference.backend=torch",
         "--set", "inference.device=cuda", "--set", "inference.max_batch=4096",
         "--set", "inference.batch_buckets=[4096]", "--set", "inference.network.hidden_sizes=[64,64]",
-        timeout=560,
+        timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
