@@ -27,6 +27,7 @@ SUITES: dict[str, str] = {
     "mjlab": "benchmarks.mjlab:run",
     "batched": "benchmarks.batched:run",
     "console": "benchmarks.console:run",
+    "gpu": "benchmarks.gpu_inference:suite",
 }
 """Suites in the order they run."""
 

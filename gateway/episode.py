@@ -345,6 +345,17 @@ class EpisodeBackend(abc.ABC):
         """
         return False
 
+    observation_device: str | None = None
+    """Where a torch simulator's observation tensors live before they come to the host
+    (``cpu``, ``cuda:0``); None for backends that make numpy arrays. A worker whose
+    inference server shares that GPU sends them as CUDA IPC handles too (:mod:`gateway.cuda_ipc`)."""
+
+    def device_observations(self) -> Mapping[str, Any] | None:
+        """The last ``reset``'s or ``step``'s observations as tensors on ``observation_device``
+        (same keys, dtypes and shapes as the numpy ones), valid until the next call of
+        either; None when there are none."""
+        return None
+
     def close(self) -> None:
         """Release simulator or robot resources; idempotent."""
         return None

@@ -125,13 +125,24 @@ class ActionSource(abc.ABC):
 
     synchronous: bool = False
     """Whether :meth:`submit` has the answer ready before it returns (in-process policies)."""
+    takes_device_obs: bool = False
+    """Whether :meth:`submit` can use ``device_obs`` (inference servers on a worker's GPU)."""
 
     @abc.abstractmethod
-    def submit(self, key: Any, obs: Obs, deadline: float, deterministic: np.ndarray | None = None) -> None:
+    def submit(
+        self,
+        key: Any,
+        obs: Obs,
+        deadline: float,
+        deterministic: np.ndarray | None = None,
+        device_obs: dict[str, Any] | None = None,
+    ) -> None:
         """Ask for actions for ``obs``; ``deadline`` is on the ``time.monotonic`` clock.
 
         ``deterministic`` (bool per row) asks for the policy's deterministic action on
         those rows (evaluation episodes); sources without a stochastic mode ignore it.
+        ``device_obs`` is a CUDA IPC handle of the same observations on the worker's GPU
+        (:mod:`gateway.cuda_ipc`), given only to sources that ``takes_device_obs``.
         """
 
     @abc.abstractmethod
@@ -167,7 +178,14 @@ class InProcessSource(ActionSource):
         self.policy = policy
         self._done: list[tuple[Any, np.ndarray | None, np.ndarray | None, str | None]] = []
 
-    def submit(self, key: Any, obs: Obs, deadline: float, deterministic: np.ndarray | None = None) -> None:
+    def submit(
+        self,
+        key: Any,
+        obs: Obs,
+        deadline: float,
+        deterministic: np.ndarray | None = None,
+        device_obs: dict[str, Any] | None = None,
+    ) -> None:
         late = time.monotonic() - deadline
         if late > 0:  # as an inference server would: no actions the caller no longer waits for
             self._done.append((key, None, None, f"deadline passed {late:.3f} s before the policy ran"))

@@ -104,17 +104,20 @@ def segments_of(pid: int, directory: Path = SHM_DIR) -> list[str]:
     return sorted(p.name for p in directory.glob(f"{PREFIX}{pid}-*"))
 
 
-def wanted(mode: str, address: str) -> bool:
-    """Whether a worker offers shared memory for ``gateway.shared_memory`` = ``mode`` and a
-    gateway at ``address`` (``auto``: an ``ipc://`` or loopback ``tcp://`` address)."""
-    if mode == "off" or not available():
-        return False
-    if mode == "on":
-        return True
+def is_local(address: str) -> bool:
+    """Whether a peer at ``address`` is on this host: an ``ipc://`` or loopback ``tcp://`` address."""
     if address.startswith(("ipc://", "inproc://")):
         return True
     host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def wanted(mode: str, address: str) -> bool:
+    """Whether a worker offers shared memory for ``gateway.shared_memory`` = ``mode`` and a
+    gateway at ``address`` (``auto``: :func:`is_local`)."""
+    if mode == "off" or not available():
+        return False
+    return mode == "on" or is_local(address)
 
 
 def batch_bytes(observation: Mapping[str, Any], num_envs: int, info_width: int) -> int:

@@ -6,7 +6,7 @@ holds the one serving, the previous one (for rollback) and at most one staged::
     backend = make_backend(spec, config)         # config: InferenceConfig
     policy = backend.initial()                   # random (init_seed) or config.weights
     actions = policy.run(obs, eps)               # obs: {key: [B, ...]}, eps: f32[B, *action]
-    newer = backend.from_state_dict(arrays, 7)   # validated; raises WeightsError
+    newer = backend.from_state_dict(arrays, 7)   # numpy or torch tensors; validated; raises WeightsError
     newer = backend.from_onnx(blob, 8)
 
 - **onnxruntime**: providers in the configured order, keeping those this build has
@@ -15,7 +15,9 @@ holds the one serving, the previous one (for rollback) and at most one staged::
   graph's initializers (``SessionOptions.add_initializer``) without re-serialising it.
 - **torch**: eager on the CPU; on CUDA one CUDA graph per batch bucket
   (``batch_buckets``), captured when a version is loaded, with a batch padded up to the
-  next bucket.
+  next bucket. It also runs observations that are already tensors on its device (CUDA IPC
+  from a worker on the same GPU: :mod:`gateway.cuda_ipc`) and loads weights from device
+  tensors without a trip through the host.
 
 Both load a torch-made model to the same actions (tests hold them within 1e-5). Each
 version is built on the loader thread while the serving one keeps running; nothing
@@ -40,7 +42,7 @@ import numpy as np
 from gateway.episode import EnvSpec
 from gateway.protocol import ErrorCode
 from inference.config import InferenceConfig
-from inference.weights import WeightsError, check_state_dict
+from inference.weights import WeightsError, check_state_dict, host_arrays
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +60,9 @@ class LoadedPolicy(abc.ABC):
     server recycles their memory once the version has retired."""
 
     @abc.abstractmethod
-    def run(self, obs: dict[str, np.ndarray], eps: np.ndarray) -> np.ndarray:
-        """Actions ``[B, *action_shape]`` (float32) for a batch of observations and noise."""
+    def run(self, obs: dict[str, Any], eps: np.ndarray) -> np.ndarray:
+        """Actions ``[B, *action_shape]`` (float32) for a batch of observations (numpy
+        arrays, or tensors on the backend's :meth:`Backend.tensor_device`) and noise."""
 
 
 class Backend(abc.ABC):
@@ -77,10 +80,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def from_state_dict(
-        self, arrays: dict[str, np.ndarray], version: int, *, finite_checked: bool = False
+        self, arrays: dict[str, Any], version: int, *, finite_checked: bool = False
     ) -> LoadedPolicy:
-        """A validated version from state-dict arrays (``finite_checked``: NaN/Inf were ruled
-        out already, as the transfer arrived); raises :class:`WeightsError`."""
+        """A validated version from state-dict arrays, numpy or torch tensors on any device
+        (``finite_checked``: NaN/Inf were ruled out already, as the transfer arrived); raises
+        :class:`WeightsError`."""
 
     @abc.abstractmethod
     def from_onnx(self, blob: np.ndarray, version: int) -> LoadedPolicy:
@@ -92,6 +96,15 @@ class Backend(abc.ABC):
 
     def prepare(self) -> None:  # noqa: B027 - a hook: most backends have nothing to prepare
         """Get ready for the next version while the loader is idle."""
+
+    def tensor_device(self) -> str | None:
+        """The device whose torch tensors :meth:`LoadedPolicy.run` takes as observations
+        (CUDA IPC, :mod:`gateway.cuda_ipc`); None: numpy arrays only."""
+        return None
+
+    def concat(self, parts: list[Any]) -> Any:
+        """One batch of a key's rows from several requests."""
+        return np.concatenate(parts)
 
     def smoke_test(self, policy: LoadedPolicy) -> None:
         """Run a zero batch through ``policy``; refuse it unless the actions are finite and shaped right."""
@@ -180,7 +193,11 @@ class TorchPolicy(LoadedPolicy):
             self.graphs[size] = (graph, obs, eps, out)
         torch.cuda.synchronize(self.device)
 
-    def run(self, obs: dict[str, np.ndarray], eps: np.ndarray) -> np.ndarray:
+    def _input(self, value: Any) -> Any:
+        """A tensor of ``value``: numpy arrays are wrapped (host), tensors taken as they are."""
+        return self.torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+
+    def run(self, obs: dict[str, Any], eps: np.ndarray) -> np.ndarray:
         torch = self.torch
         n = len(eps)
         if self.graphs:
@@ -188,7 +205,7 @@ class TorchPolicy(LoadedPolicy):
             if fits:
                 graph, static_obs, static_eps, out = self.graphs[min(fits)]
                 for k in self.keys:
-                    static_obs[k][:n].copy_(torch.from_numpy(obs[k]), non_blocking=False)
+                    static_obs[k][:n].copy_(self._input(obs[k]), non_blocking=False)
                 static_eps[:n].copy_(torch.from_numpy(eps))
                 graph.replay()
                 return np.asarray(out[:n].cpu().numpy())
@@ -200,8 +217,13 @@ class TorchPolicy(LoadedPolicy):
                 ]
             )
         with torch.inference_mode():
-            tensors = {k: torch.from_numpy(obs[k]).to(self.device) for k in self.keys}
+            tensors = {k: self._input(obs[k]).to(self.device) for k in self.keys}
             return np.asarray(self.actor(tensors, torch.from_numpy(eps).to(self.device)).cpu().numpy())
+
+
+def _same_device(a: Any, b: Any) -> bool:
+    """Whether two torch devices are one (``cuda`` is ``cuda:0`` on device 0)."""
+    return bool(a.type == b.type and (a.index is None or b.index is None or a.index == b.index))
 
 
 def _writable(arr: np.ndarray) -> np.ndarray:
@@ -255,11 +277,16 @@ class TorchBackend(Backend):
             actor.get_buffer(name).copy_(buf)
         return actor
 
-    def _build(self, arrays: dict[str, np.ndarray], version: int) -> TorchPolicy:
+    def _build(self, arrays: dict[str, Any], version: int) -> TorchPolicy:
         torch = self.torch
-        tensors = {k: torch.from_numpy(_writable(v)) for k, v in arrays.items()}
-        if self.device == "cpu":
-            # The received arrays become the parameters themselves: no copy of the weights.
+        tensors = {
+            k: v if isinstance(v, torch.Tensor) else torch.from_numpy(_writable(v)) for k, v in arrays.items()
+        }
+        here = torch.device(self.device)
+        on_device = all(_same_device(t.device, here) for t in tensors.values())
+        if on_device:
+            # The received arrays (or the device copies of a CUDA IPC publication, which
+            # nobody else holds) become the parameters themselves: no copy of the weights.
             actor = self._meta_actor()
             actor.load_state_dict(tensors, strict=True, assign=True)
             for name, buf in self.template.named_buffers():  # the action bounds
@@ -289,10 +316,21 @@ class TorchBackend(Backend):
         return self.from_state_dict(loaded, c.initial_version)
 
     def from_state_dict(
-        self, arrays: dict[str, np.ndarray], version: int, *, finite_checked: bool = False
+        self, arrays: dict[str, Any], version: int, *, finite_checked: bool = False
     ) -> LoadedPolicy:
         check_state_dict(arrays, self.expected, check_finite=not finite_checked)
         return self._build(arrays, version)
+
+    def tensor_device(self) -> str | None:
+        return self.device
+
+    def concat(self, parts: list[Any]) -> Any:
+        if all(isinstance(p, np.ndarray) for p in parts):
+            return np.concatenate(parts)
+        torch = self.torch
+        return torch.cat(
+            [torch.from_numpy(p).to(self.device) if isinstance(p, np.ndarray) else p for p in parts]
+        )
 
     def from_onnx(self, blob: np.ndarray, version: int) -> LoadedPolicy:
         """An ONNX model made by ``export_onnx``: its initializers are the state dict."""
@@ -491,8 +529,9 @@ class OrtBackend(Backend):
         return policy
 
     def from_state_dict(
-        self, arrays: dict[str, np.ndarray], version: int, *, finite_checked: bool = False
+        self, arrays: dict[str, Any], version: int, *, finite_checked: bool = False
     ) -> LoadedPolicy:
+        arrays = host_arrays(arrays)  # device tensors: onnxruntime's initializers are host memory
         check_state_dict(arrays, self.expected, check_finite=not finite_checked)
         return self._session(self.base, arrays, version)
 

@@ -47,7 +47,8 @@ class Request:
     tag: bytes
     route: bytes
     seq: int
-    obs: dict[str, np.ndarray]
+    obs: dict[str, Any]
+    """Arrays ``[rows, ...]``, or tensors on the backend's device (CUDA IPC)."""
     rows: int
     t_recv: float
     deadline: float
@@ -168,8 +169,11 @@ class Batcher:
         reply: Reply,
         stats: Stats,
         retire: Callable[[LoadedPolicy], None] | None = None,
+        concat: Callable[[list[Any]], Any] = np.concatenate,
     ) -> None:
         self.current = policy
+        self.concat = concat
+        """Joins one key's rows of several requests (numpy, or the backend's tensors)."""
         self.retire = retire
         """Called with a version that can never serve again: retired by a swap or a rollback
         (between batches), or superseded before it served (by ``stage``)."""
@@ -334,7 +338,7 @@ class Batcher:
             return
         policy = self.current
         obs = {
-            key: (live[0].obs[key] if len(live) == 1 else np.concatenate([r.obs[key] for r in live]))
+            key: (live[0].obs[key] if len(live) == 1 else self.concat([r.obs[key] for r in live]))
             for key in live[0].obs
         }
         ends = list(accumulate(r.rows for r in live))

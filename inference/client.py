@@ -38,6 +38,7 @@ import numpy as np
 import zmq
 
 from gateway.config import ConfigError
+from gateway.cuda_handles import same_device
 from gateway.episode import EnvSpec, Obs
 from gateway.policies import ActionSource
 from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError, pack, recv, send
@@ -84,6 +85,9 @@ class Pending:
     deadline: float
     deterministic: np.ndarray | None = None
     """Rows that must get the deterministic action (evaluation episodes)."""
+    device_obs: dict[str, Any] | None = None
+    """A CUDA IPC handle of ``obs`` on the worker's GPU: sent instead of the arrays to a
+    server that declared that GPU (:mod:`gateway.cuda_ipc`)."""
     attempts: int = 0
     tried: set[int] = field(default_factory=set)
 
@@ -106,6 +110,11 @@ class Replica:
     answered: int = 0
     downs: int = 0
     latency: LatencyWindow = field(default_factory=LatencyWindow)
+    cuda: dict[str, Any] | None = None
+    """The GPU the server takes CUDA IPC handles for (``{host, uuid, device}``, from its
+    heartbeats); None: host arrays only."""
+    cuda_failed: bool = False
+    """The server refused a handle it had declared it takes: host arrays from then on."""
     moved_at_seq: int | None = None
     """Set when the server moved (:meth:`InferenceSource.follow`): the last seq sent before.
     An answer to anything up to it comes from the old server (queued in the socket, or its
@@ -123,6 +132,7 @@ class Replica:
             "answered": self.answered,
             "downs": self.downs,
             "latency_p99_ms": None if p99 is None else round(p99, 3),
+            "cuda_ipc": self.cuda is not None and not self.cuda_failed,
         }
 
 
@@ -157,6 +167,7 @@ class InferenceSource(ActionSource):
             "failed": 0,
             "late_dropped": 0,
             "stale_dropped": 0,
+            "device_requests": 0,
         }
         self.newest_seen = 0
         """The newest policy version any replica served: a replica behind it (restarted with
@@ -210,17 +221,31 @@ class InferenceSource(ActionSource):
             connect(replica.sock, new, self.keys)
             self._mark_down(replica, f"it moved to {new}")
             replica.address, replica.last_heard, replica.moved_at_seq = new, 0.0, self._seq
+            replica.cuda, replica.cuda_failed = None, False
             moved.append(f"inference server {replica.index}: {old} -> {new}")
             log.warning("inference server %d moved: %s -> %s; reconnecting", replica.index, old, new)
         return moved
 
     # ------------------------------------------------------------- the contract
 
-    def submit(self, key: Any, obs: Obs, deadline: float, deterministic: np.ndarray | None = None) -> None:
+    takes_device_obs = True
+
+    def submit(
+        self,
+        key: Any,
+        obs: Obs,
+        deadline: float,
+        deterministic: np.ndarray | None = None,
+        device_obs: dict[str, Any] | None = None,
+    ) -> None:
         rows = len(next(iter(obs.values())))
         self.counters["submitted"] += 1
         flags = None if deterministic is None else np.asarray(deterministic, dtype=bool)
-        self._dispatch(Pending(key=key, obs=obs, rows=rows, deadline=deadline, deterministic=flags))
+        self._dispatch(
+            Pending(
+                key=key, obs=obs, rows=rows, deadline=deadline, deterministic=flags, device_obs=device_obs
+            )
+        )
 
     def results(self) -> list[Result]:
         for replica in self.replicas:
@@ -317,13 +342,18 @@ class InferenceSource(ActionSource):
             meta: dict[str, Any] = {"deadline_ms": max(1.0, (attempt_deadline - now) * 1e3)}
             if self.deterministic is not None:
                 meta["deterministic"] = self.deterministic
-            arrays = pack("obs", pending.obs)
+            if self._on_device(replica, pending):
+                meta["cuda_ipc"] = pending.device_obs  # the same observations, read in place there
+                arrays = {}
+            else:
+                arrays = pack("obs", pending.obs)
             if pending.deterministic is not None:
                 arrays["deterministic"] = pending.deterministic
             msg = Message(MsgType.INFER, seq=self._seq, meta=meta, arrays=arrays)
             if self._send(replica, msg):
                 pending.attempts += 1
                 pending.tried.add(replica.index)
+                self.counters["device_requests"] += "cuda_ipc" in meta
                 replica.inflight[self._seq] = (pending, attempt_deadline, now)
                 replica.rows += pending.rows
                 return
@@ -344,6 +374,9 @@ class InferenceSource(ActionSource):
                     continue
                 replica.moved_at_seq = None
             replica.last_heard = time.monotonic()
+            if msg.type is MsgType.HEARTBEAT:  # before the requests waiting for it go out
+                declared = msg.meta.get("cuda_ipc")
+                replica.cuda = declared if isinstance(declared, dict) else None
             if not replica.up:
                 replica.up = True
                 log.info("inference server %s is up", replica.address)
@@ -381,8 +414,26 @@ class InferenceSource(ActionSource):
                 self._done.append((pending.key, msg.arrays["action"], msg.arrays["policy_version"], None))
             elif msg.type is MsgType.ERROR and msg.meta.get("code") in RETRYABLE:
                 self._retry(pending, f"{replica.address}: {msg.meta.get('message')}")
+            elif msg.type is MsgType.ERROR and self._on_device(replica, pending):
+                # It declared the GPU but cannot read the handle: host arrays from now on.
+                replica.cuda_failed = True
+                log.warning(
+                    "inference server %s refused a CUDA IPC handle (%s); sending it host arrays",
+                    replica.address,
+                    msg.meta.get("message"),
+                )
+                self._retry(pending, "CUDA IPC refused")
             else:
                 self._fail(pending, f"{replica.address}: [{msg.meta.get('code')}] {msg.meta.get('message')}")
+
+    @staticmethod
+    def _on_device(replica: Replica, pending: Pending) -> bool:
+        """Whether ``pending`` goes to ``replica`` as its CUDA IPC handle."""
+        return (
+            pending.device_obs is not None
+            and not replica.cuda_failed
+            and same_device(replica.cuda, pending.device_obs)
+        )
 
     def _retry(self, pending: Pending, why: str) -> None:
         if time.monotonic() >= pending.deadline:

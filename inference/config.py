@@ -95,6 +95,8 @@ class InferenceConfig:
     """First TCP port; replica ``i`` uses ``base_port + 3i`` (requests), ``+1`` (weights), ``+2`` (control); 0 picks free ports."""
     threads: int = 1
     """Intra-op threads of the backend on CPU (0: the library's default)."""
+    cuda_ipc: Literal["auto", "off"] = "auto"
+    """torch on CUDA: take observations and weights from processes on the same GPU as CUDA IPC handles (:mod:`gateway.cuda_ipc`); ``off``: host arrays only."""
     cuda_graphs: bool = True
     """torch on CUDA: capture one CUDA graph per batch bucket."""
     batch_buckets: tuple[int, ...] = (1, 8, 64, 256)
@@ -140,6 +142,8 @@ class InferenceConfig:
                 f"inference.replica_timeout_s ({self.replica_timeout_s}) must be larger than "
                 f"inference.heartbeat_s ({self.heartbeat_s})"
             )
+        if self.cuda_ipc not in ("auto", "off"):
+            raise ConfigError(f"inference.cuda_ipc must be auto or off, got {self.cuda_ipc!r}")
         if not self.providers:
             raise ConfigError("inference.providers must name at least one execution provider")
         for p in self.providers:

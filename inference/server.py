@@ -2,8 +2,10 @@
 
 Three ROUTER sockets (addresses in ``endpoints.json`` under ``inference[i]``):
 
-- ``requests``: OBSERVATION ``{deadline_ms, deterministic?}`` with ``obs/<key>`` arrays
-  ``[B, ...]`` (and optionally ``deterministic bool[B]``: rows that must act
+- ``requests``: INFER ``{deadline_ms, deterministic?}`` with ``obs/<key>`` arrays
+  ``[B, ...]``, or instead ``meta["cuda_ipc"]``, a handle of them on this server's GPU
+  (:mod:`gateway.cuda_ipc`, torch on CUDA; the server declares its GPU in every HEARTBEAT
+  and METADATA answer) (and optionally ``deterministic bool[B]``: rows that must act
   deterministically, e.g. evaluation episodes) -> ACTION ``{version, batch_rows, queue_us}`` with ``action [B, ...]``
   and ``policy_version i64[B]``, or ERROR (``bad_request``: observations that do not
   fit the spec; ``deadline_exceeded``; ``unavailable``: queue full). HEARTBEAT ->
@@ -41,7 +43,7 @@ from typing import Any
 
 import zmq
 
-from gateway import lifeline
+from gateway import cuda_ipc, lifeline
 from gateway.config import ConfigError, to_plain
 from gateway.episode import EnvSpec
 from gateway.gpu_stats import for_device
@@ -99,6 +101,10 @@ class InferenceServer:
         self.metrics = metrics or MetricsWriter(None, f"inference-{index}")
         self.backend = backend or make_backend(spec, config)
         self.gpu = for_device(str(self.backend.describe().get("device", "cpu")))
+        self.device = cuda_ipc.DeviceReader.for_device(
+            config.cuda_ipc, self.backend.tensor_device(), self.limits
+        )
+        """Reads CUDA IPC handles of observations and weights on this server's GPU (None: none)."""
         policy = self.backend.initial()
         self.stats = Stats()
         self.batcher = Batcher(
@@ -112,6 +118,7 @@ class InferenceServer:
             reply=self.reply,
             stats=self.stats,
             retire=self._retire,
+            concat=self.backend.concat,
         )
         self._ctx = context or zmq.Context.instance()
         self.socks: dict[str, zmq.Socket[Any]] = {}
@@ -198,7 +205,13 @@ class InferenceServer:
                 self._on_request(route, msg)
             elif msg.type is MsgType.HEARTBEAT:
                 _, rows = self.batcher.depth()
-                meta = {"version": self.batcher.version, "queue_rows": rows, "index": self.index}
+                meta: dict[str, Any] = {
+                    "version": self.batcher.version,
+                    "queue_rows": rows,
+                    "index": self.index,
+                }
+                if self.device is not None:
+                    meta["cuda_ipc"] = self.device.declaration()
                 send(sock, Message(MsgType.HEARTBEAT, seq=msg.seq, meta=meta), route=[route])
             elif msg.type is MsgType.METADATA:
                 send(sock, Message(MsgType.REPLY, seq=msg.seq, meta=self.describe()), route=[route])
@@ -218,9 +231,13 @@ class InferenceServer:
         problems = INFERENCE_REQUEST.problems(msg)
         if problems:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "inference request: " + "; ".join(problems))
-        obs = unpack("obs", msg.arrays)
-        rows = len(next(iter(obs.values()))) if obs and next(iter(obs.values())).ndim else 0
-        problems = self.spec.check_observation(obs, rows) if rows else ["no observation rows"]
+        obs: dict[str, Any]
+        if "cuda_ipc" in msg.meta:
+            obs, rows, problems = self._device_obs(msg)
+        else:
+            obs = unpack("obs", msg.arrays)
+            rows = len(next(iter(obs.values()))) if obs and next(iter(obs.values())).ndim else 0
+            problems = self.spec.check_observation(obs, rows) if rows else ["no observation rows"]
         if problems:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST, "observations do not fit the spec: " + "; ".join(problems)
@@ -254,6 +271,41 @@ class InferenceServer:
         self.stats.count(received=1)
         if not self.batcher.put(request):
             raise ProtocolError(ErrorCode.UNAVAILABLE, "the request queue is full; try another server")
+
+    def _device_obs(self, msg: Message) -> tuple[dict[str, Any], int, list[str]]:
+        """The observations a request's CUDA IPC handle names, read in place on this GPU:
+        (tensors, rows, problems against the spec)."""
+        if self.device is None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                "this server takes no CUDA IPC handles (not torch on a GPU, or inference.cuda_ipc: off); "
+                "send obs/* arrays",
+            )
+        if any(k.startswith("obs/") for k in msg.arrays):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "a request carries obs/* arrays or a CUDA IPC handle, not both"
+            )
+        handle = self.device.check(msg.meta["cuda_ipc"])
+        layout = handle.layout()
+        leading = {shape[0] if shape else 0 for _, shape in layout.values()}
+        rows = leading.pop() if len(leading) == 1 else 0
+        if not rows:
+            return {}, 0, [f"CUDA IPC arrays must share one leading dimension >= 1, got {sorted(leading)}"]
+        problems = []
+        for key, a in self.spec.observation.items():
+            want = (a.np_dtype.name, (rows, *a.shape))
+            got = layout.get(key)
+            if got != want:
+                have = "missing" if got is None else f"{got[0]}{list(got[1])}"
+                problems.append(f"observation {key!r} is {have}, expected {want[0]}{list(want[1])}")
+        extra = sorted(set(layout) - set(self.spec.observation))
+        if extra:
+            problems.append(f"unexpected observation keys {extra}")
+        if problems:
+            return {}, rows, problems
+        tensors = self.device.open(handle)
+        self.stats.count(device_requests=1, device_bytes=handle.nbytes)
+        return tensors, rows, []
 
     def _on_command(self, name: str, route: bytes, msg: Message) -> None:
         cmd = msg.meta.get("cmd")
@@ -317,6 +369,8 @@ class InferenceServer:
                     )
                 if update.format == "onnx":
                     policy = self.backend.from_onnx(update.arrays["onnx"], update.version)
+                elif update.device is not None:
+                    policy = self.backend.from_state_dict(self._device_weights(update.device), update.version)
                 else:
                     policy = self.backend.from_state_dict(
                         update.arrays, update.version, finite_checked=update.finite_checked
@@ -332,6 +386,20 @@ class InferenceServer:
             self.batcher.stage(Staged(policy, TAGS["weights"], update.route, update.seq, t0))
             self._wake()
             self.backend.prepare()
+
+    def _device_weights(self, handle: cuda_ipc.DeviceHandle) -> dict[str, Any]:
+        """Copies (device to device, complete) of a CUDA IPC publication's tensors."""
+        if self.device is None:
+            raise WeightsError(
+                ErrorCode.BAD_WEIGHTS,
+                "this server takes no CUDA IPC weights (not torch on a GPU, or inference.cuda_ipc: off); "
+                "publish host arrays",
+            )
+        try:
+            self.device.accepts(handle)
+            return self.device.copy_out(handle)
+        except ProtocolError as exc:
+            raise WeightsError(ErrorCode.BAD_WEIGHTS, exc.message) from None
 
     # --------------------------------------------------------------------- run
 
@@ -349,6 +417,7 @@ class InferenceServer:
             "max_wait_us": self.config.max_wait_us,
             "deadline_ms": self.config.deadline_ms,
             "deterministic": self.config.deterministic,
+            "cuda_ipc": self.device.declaration() if self.device is not None else None,
             "network": to_plain(self.config.network),
             "spec": self.spec.to_dict(),
             "addresses": dict(self.addresses),

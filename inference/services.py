@@ -118,7 +118,7 @@ def summary(cfg: ExperimentConfig, run_dir: Path, summary: dict[str, Any]) -> No
         service = str(record.get("service", ""))
         if service.startswith("inference-"):
             last[service] = record
-    counters = ("requests", "rows", "batches", "swaps", "rollbacks", "weights_refused")
+    counters = ("requests", "device_requests", "rows", "batches", "swaps", "rollbacks", "weights_refused")
     summary["inference"] = {
         name: {
             "version": rec.get("version"),

@@ -28,11 +28,20 @@ answered with ERROR ``bad_weights`` (including a transfer with a missing bucket)
 ``stale_version`` (not newer than the version serving), and the old version keeps
 serving. ``COMMAND {"cmd": "rollback"}`` on the same socket swaps the previous version
 back in.
+
+**On one GPU** (``format: cuda_ipc``). A state dict of CUDA tensors goes to a server that
+declares the same GPU (``cuda_ipc`` in its METADATA reply, asked once per server) as one
+WEIGHTS message without arrays: ``meta["cuda_ipc"]`` is a handle of the tensors copied into
+the publisher's staging buffers (:class:`gateway.Staging`, each shared once). The
+server copies them device-to-device into its own tensors, then validates, swaps and
+answers as above; the publisher overwrites its staging buffers only after every answer.
+Other servers get the same version as host buckets, in the same publication.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -45,8 +54,20 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gateway.protocol import ErrorCode, Message, MsgType, ProtocolError, RemoteError, Timeout, recv, send
+from gateway.cuda_ipc import DeviceHandle, check_handle, dtype_name
+from gateway.protocol import (
+    ErrorCode,
+    Limits,
+    Message,
+    MsgType,
+    ProtocolError,
+    RemoteError,
+    Timeout,
+    recv,
+    send,
+)
 from gateway.transport import CurveKeys, connect, make_socket
+from inference.device_weights import Declaration, DeviceRoute, common_device
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +76,11 @@ DEFAULT_BUCKET_BYTES = 32 << 20
 MAX_TENSORS_PER_BUCKET = 1000
 """Stays below the codec's default frame limit (1024 frames per message)."""
 ONNX_KEY = "onnx"
+FORMATS = ("state_dict", "onnx", "cuda_ipc")
+DEVICE_LIMITS = Limits(max_frame_bytes=1 << 36, max_message_bytes=1 << 38)
+"""Bounds of a CUDA IPC publication (its tensors are not frames: a weight matrix may be large)."""
+METADATA_TIMEOUT_S = 5.0
+"""How long a publisher waits for a server to say which GPU it takes handles for."""
 
 
 class WeightsError(ProtocolError):
@@ -75,6 +101,8 @@ class WeightsUpdate:
     finite_checked: bool = False
     """Every float tensor was checked for NaN/Inf as its buckets arrived (overlapping the
     transfer), so loading need not read the whole state dict once more."""
+    device: DeviceHandle | None = None
+    """``format: cuda_ipc``: the handle of the publisher's device tensors (``arrays`` is empty)."""
 
 
 def bucketize(
@@ -196,10 +224,12 @@ class WeightsAssembler:
             parts = dict(meta.get("parts") or {})
         except (KeyError, TypeError, ValueError) as exc:
             raise WeightsError(ErrorCode.BAD_WEIGHTS, f"WEIGHTS meta is incomplete: {exc!r}") from None
-        if fmt not in ("state_dict", "onnx"):
-            raise WeightsError(ErrorCode.BAD_WEIGHTS, f"unknown weights format {fmt!r}")
+        if fmt not in FORMATS:
+            raise WeightsError(ErrorCode.BAD_WEIGHTS, f"unknown weights format {fmt!r}; known: {FORMATS}")
         if self._dropped.get(route) == transfer:
             return None  # the rest of a transfer already refused
+        if fmt == "cuda_ipc":
+            return self._device(route, msg, version, current_version, (bucket, buckets))
         state = self._open.get(route)
         if bucket == 0:
             if state is not None:
@@ -229,6 +259,34 @@ class WeightsAssembler:
             return None
         del self._open[route]
         return self._commit(state, route, msg.seq, version, fmt)
+
+    def _device(
+        self, route: bytes, msg: Message, version: int, current_version: int, bucket: tuple[int, int]
+    ) -> WeightsUpdate:
+        """A ``cuda_ipc`` publication: one message of handles, checked here (never opened)."""
+        meta = msg.meta
+        self._open.pop(route, None)
+        if bucket != (0, 1) or msg.arrays:
+            raise WeightsError(
+                ErrorCode.BAD_WEIGHTS,
+                "a cuda_ipc publication is one WEIGHTS message of handles, without arrays",
+            )
+        if version <= current_version:
+            raise WeightsError(
+                ErrorCode.STALE_VERSION,
+                f"version {version} is not newer than version {current_version} (serving or loading)",
+            )
+        try:
+            handle = check_handle(meta.get("cuda_ipc"), DEVICE_LIMITS)
+        except ProtocolError as exc:
+            raise WeightsError(ErrorCode.BAD_WEIGHTS, exc.message) from None
+        if len(handle.arrays) != meta.get("tensors") or handle.nbytes != meta.get("bytes"):
+            raise WeightsError(
+                ErrorCode.BAD_WEIGHTS,
+                f"the handle holds {len(handle.arrays)} tensors / {handle.nbytes} bytes, "
+                f"the meta announces {meta.get('tensors')} / {meta.get('bytes')}",
+            )
+        return WeightsUpdate(version, "cuda_ipc", {}, handle.nbytes, route, msg.seq, device=handle)
 
     def _drop(self, route: bytes, transfer: str) -> None:
         self._open.pop(route, None)
@@ -285,13 +343,27 @@ class WeightsAssembler:
         )
 
 
+def host_arrays(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """``arrays`` as numpy arrays: torch tensors (on any device) are copied to the host."""
+    return {
+        k: v if isinstance(v, np.ndarray) else np.asarray(v.detach().cpu().numpy()) for k, v in arrays.items()
+    }
+
+
+def _finite(arr: Any) -> bool:
+    if isinstance(arr, np.ndarray):
+        return arr.dtype.kind != "f" or bool(np.isfinite(arr).all())
+    return not arr.is_floating_point() or bool(arr.isfinite().all())  # a torch tensor, on its device
+
+
 def check_state_dict(
-    arrays: Mapping[str, np.ndarray],
+    arrays: Mapping[str, Any],
     expected: Mapping[str, tuple[str, tuple[int, ...]]],
     *,
     check_finite: bool = True,
 ) -> None:
-    """Raise ``bad_weights`` unless ``arrays`` has exactly the expected names, dtypes and shapes, all finite."""
+    """Raise ``bad_weights`` unless ``arrays`` (numpy arrays or torch tensors) has exactly
+    the expected names, dtypes and shapes, all finite."""
     missing = sorted(set(expected) - set(arrays))
     unexpected = sorted(set(arrays) - set(expected))
     if missing or unexpected:
@@ -301,12 +373,13 @@ def check_state_dict(
         )
     for name, (dtype, shape) in expected.items():
         arr = arrays[name]
-        if arr.dtype.name != dtype or tuple(arr.shape) != tuple(shape):
+        have = arr.dtype.name if isinstance(arr, np.ndarray) else dtype_name(arr)
+        if have != dtype or tuple(arr.shape) != tuple(shape):
             raise WeightsError(
                 ErrorCode.BAD_WEIGHTS,
-                f"tensor {name!r} is {arr.dtype}{list(arr.shape)}, the network needs {dtype}{list(shape)}",
+                f"tensor {name!r} is {have}{list(arr.shape)}, the network needs {dtype}{list(shape)}",
             )
-        if check_finite and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        if check_finite and not _finite(arr):
             raise WeightsError(ErrorCode.BAD_WEIGHTS, f"tensor {name!r} has NaN or Inf values")
 
 
@@ -320,7 +393,8 @@ def weights_addresses(targets: Sequence[str | Mapping[str, Any]]) -> list[str]:
 
 class WeightsPublisher:
     """Sends versioned weights to inference servers and waits for every answer (one result
-    per server, autoscaling slots with no server left out)."""
+    per server, autoscaling slots with no server left out). A state dict of CUDA tensors
+    goes as a CUDA IPC handle to servers on the same GPU, as host buckets to the rest."""
 
     def __init__(
         self,
@@ -330,6 +404,7 @@ class WeightsPublisher:
         keys: CurveKeys | None = None,
         timeout_s: float = 60.0,
         context: zmq.Context[Any] | None = None,
+        cuda_ipc: bool = True,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -339,6 +414,8 @@ class WeightsPublisher:
         skips one that is not connected (it catches up at the next one) instead of waiting
         for it; a planned server that is restarting gets its publication queued, as ever."""
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.cuda_ipc = cuda_ipc
+        """Send CUDA tensors as handles to servers on the same GPU (else always host buckets)."""
         self._ctx = context or zmq.Context.instance()
         self.keys = keys
         self._socks: list[zmq.Socket[Any]] = []
@@ -349,6 +426,10 @@ class WeightsPublisher:
             connect(sock, address, keys)
             self._socks.append(sock)
         self._seq = 1 << 20
+        self.gpu = DeviceRoute()
+        """Which servers share this process's GPU (asked once each), and the staging buffers."""
+        self.formats: list[str] = []
+        """The format each server got in the last publication (``state_dict``, ``cuda_ipc``, ...)."""
 
     def follow(self, targets: Sequence[str | Mapping[str, Any]]) -> list[str]:
         """Re-point every server whose ``weights`` address in ``targets`` (``endpoints.json``'s
@@ -362,15 +443,31 @@ class WeightsPublisher:
                 self._socks[i].disconnect(old)
             connect(self._socks[i], new, self.keys)
             self.addresses[i] = new
+            self.gpu.forget(i)  # another node: another GPU
             moved.append(f"weights of inference server {i}: {old} -> {new}")
             log.warning("inference server %d moved: publishing its weights to %s (was %s)", i, new, old)
         return moved
 
     def publish(
-        self, state_dict: Mapping[str, np.ndarray], version: int, *, check: bool = True
+        self, state_dict: Mapping[str, Any], version: int, *, check: bool = True
     ) -> list[dict[str, Any]]:
-        """Send a state dict (numpy arrays) as ``version``; one result per server."""
-        return self._send(transfer_messages(state_dict, version, "state_dict", self.bucket_bytes), check)
+        """Send a state dict (numpy arrays, or torch tensors) as ``version``; one result per server."""
+        device = common_device(state_dict) if self.cuda_ipc else None
+        host: list[Message] | None = None
+        handle: list[Message] | None = None
+        plans = []
+        for i in range(len(self._socks)):
+            if device is not None and self.gpu.same_gpu(
+                i, device, ask=functools.partial(self._ask_declaration, i)
+            ):
+                handle = handle or [self.gpu.message(state_dict, version)]
+                plans.append(handle)
+            else:
+                host = host or transfer_messages(
+                    host_arrays(state_dict), version, "state_dict", self.bucket_bytes
+                )
+                plans.append(host)
+        return self._send(plans, check)
 
     def publish_onnx(
         self, blob: bytes | np.ndarray, version: int, *, check: bool = True
@@ -379,39 +476,73 @@ class WeightsPublisher:
         arr = (
             np.frombuffer(blob, dtype=np.uint8) if isinstance(blob, (bytes, bytearray, memoryview)) else blob
         )
-        return self._send(transfer_messages({ONNX_KEY: arr}, version, "onnx", self.bucket_bytes), check)
+        messages = transfer_messages({ONNX_KEY: arr}, version, "onnx", self.bucket_bytes)
+        return self._send([messages] * len(self._socks), check)
 
     def rollback(self, *, check: bool = True) -> list[dict[str, Any]]:
         """Every server swaps its previous version back in."""
         self._seq += 1
-        return self._send([Message(MsgType.COMMAND, seq=self._seq, meta={"cmd": "rollback"})], check)
+        command = [Message(MsgType.COMMAND, seq=self._seq, meta={"cmd": "rollback"})]
+        return self._send([command] * len(self._socks), check)
 
-    def _send(self, messages: list[Message], check: bool) -> list[dict[str, Any]]:
+    def _ask_declaration(self, i: int) -> Declaration:
+        """Server ``i``'s ``cuda_ipc`` declaration from METADATA (:data:`Declaration`)."""
+        sock = self._socks[i]
+        self._seq += 1
+        seq = self._seq
+        try:
+            send(sock, Message(MsgType.METADATA, seq=seq), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        deadline = time.monotonic() + min(self.timeout_s, METADATA_TIMEOUT_S)
+        while (remaining := deadline - time.monotonic()) > 0 and sock.poll(int(remaining * 1000)):
+            reply = recv(sock)
+            if reply.seq == seq:
+                declared = reply.meta.get("cuda_ipc")
+                return declared if isinstance(declared, dict) else None
+        log.warning(
+            "%s did not say which GPU it runs on; weights go there as host buckets", self.addresses[i]
+        )
+        return False
+
+    # ------------------------------------------------------------------- sending
+
+    def _send(self, plans: list[list[Message]], check: bool) -> list[dict[str, Any]]:
+        """Send each server its messages (``plans[i]``), bucket by bucket across servers,
+        then collect one answer from each."""
         base = self._seq
+        renumbered: set[int] = set()
+        for plan in plans:
+            for msg in plan:
+                if msg.type is MsgType.WEIGHTS and id(msg) not in renumbered:
+                    msg.seq = base + msg.seq
+                    renumbered.add(id(msg))
         skipped: set[int] = set()
-        for msg in messages:
-            msg.seq = base + msg.seq if msg.type is MsgType.WEIGHTS else msg.seq
+        for step in range(max((len(p) for p in plans), default=0)):
             for i, sock in enumerate(self._socks):
-                if i in skipped:
+                if i in skipped or step >= len(plans[i]):
                     continue
                 if not self.optional[i]:
-                    send(sock, msg)
+                    send(sock, plans[i][step])
                     continue
                 try:
-                    send(sock, msg, flags=zmq.NOBLOCK)
+                    send(sock, plans[i][step], flags=zmq.NOBLOCK)
                 except zmq.Again:  # no server in this autoscaling slot now
                     skipped.add(i)
-        first, last = messages[0].seq, messages[-1].seq
-        self._seq = last
-        results = [
-            self._answer(sock, address, first, last)
-            for i, (sock, address) in enumerate(zip(self._socks, self.addresses))
-            if i not in skipped
-        ]
+        self._seq = max([base, *(p[-1].seq for p in plans if p)])
+        self.formats = [str(p[0].meta.get("format", "command")) if p else "" for p in plans]
+        results = []
+        for i, (sock, address) in enumerate(zip(self._socks, self.addresses)):
+            if i in skipped:
+                continue
+            result = self._answer(sock, address, plans[i][0].seq, plans[i][-1].seq)
+            if not result["ok"] and self.formats[i] == "cuda_ipc":
+                self.gpu.forget(i)  # ask again: it may have restarted elsewhere or changed
+            results.append(result)
         failed = [r for r in results if not r["ok"]]
         if check and failed:
             bad = failed[0]
-            raise RemoteError(bad["code"], f"{bad['address']}: {bad['message']}", last)
+            raise RemoteError(bad["code"], f"{bad['address']}: {bad['message']}", self._seq)
         return results
 
     def _answer(self, sock: zmq.Socket[Any], address: str, first: int, last: int) -> dict[str, Any]:
@@ -437,3 +568,4 @@ class WeightsPublisher:
         for sock in self._socks:
             sock.close(linger=0)
         self._socks = []
+        self.gpu.close()

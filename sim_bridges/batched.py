@@ -227,6 +227,9 @@ class TorchEnvBackend(EpisodeBackend):
                 **(metadata or {}),
             },
         )
+        self.observation_device = str(self.device)
+        self._device_obs: dict[str, Any] | None = None
+        """The last observations as the env's tensors (:meth:`device_observations`)."""
         self._held: dict[str, Any] = {}
         """Tensor groups handed out last time as views: kept alive so that reuse is detectable."""
         self._copy_groups: set[str] = set()
@@ -268,6 +271,7 @@ class TorchEnvBackend(EpisodeBackend):
             raise ValueError(f"observations are a {type(obs).__name__}, expected a dict of groups")
         out: Obs = {}
         held: dict[str, Any] = {}
+        tensors: dict[str, Any] = {}
         for group, key in self.groups.items():
             if group not in obs:
                 raise ValueError(f"observation group {group!r} is missing; the env returned {sorted(obs)}")
@@ -276,6 +280,7 @@ class TorchEnvBackend(EpisodeBackend):
                 spec = self.spec.observation[key]
                 self._check(value, f"observation group {group!r}", spec.np_dtype, spec.shape)
                 out[key] = self._group_array(group, value)
+                tensors[key] = value.detach()
                 if value.device.type == "cpu" and group not in self._copy_groups:
                     held[group] = value
                 continue
@@ -291,8 +296,15 @@ class TorchEnvBackend(EpisodeBackend):
                 spec = self.spec.observation[f"{key}.{term}"]
                 self._check(value[term], f"observation term {group}.{term}", spec.np_dtype, spec.shape)
                 out[f"{key}.{term}"] = self._to_numpy(value[term], copy=True)
+                tensors[f"{key}.{term}"] = value[term].detach()
         self._held = held
+        self._device_obs = tensors
         return out
+
+    def device_observations(self) -> dict[str, Any] | None:
+        """The last observations as the env's own tensors (keys as in :meth:`reset`): the
+        worker copies them into its CUDA IPC ring before the env steps again."""
+        return self._device_obs
 
     def _group_array(self, group: str, tensor: Any) -> npt.NDArray[Any]:
         if tensor.device.type == "cpu" and group not in self._copy_groups:
@@ -372,5 +384,6 @@ class TorchEnvBackend(EpisodeBackend):
             return
         self._closed = True
         self._held = {}
+        self._device_obs = None
         if self._owns_env:
             self.env.close()

@@ -222,3 +222,15 @@ def gateway_run(procs: Procs, tmp_path: Path) -> Iterator[Callable[..., GatewayR
     finally:
         for run in runs:
             run.close()
+
+
+@pytest.fixture
+def standin(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """CUDA replaced by :class:`tests.cuda_standin.CpuStandIn` for this test: CUDA cannot
+    run on a machine without a GPU (torch is imported only by tests that ask for this)."""
+    from gateway import cuda_ipc
+    from tests.cuda_standin import CpuStandIn
+
+    ops = CpuStandIn()
+    monkeypatch.setattr(cuda_ipc, "_OPS", ops)
+    return ops

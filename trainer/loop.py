@@ -115,6 +115,11 @@ class Trainer:
                 onnx=cfg.inference.backend == "onnxruntime",
                 control=_Lagged(endpoints["gateway"]["control"], self.tc),
                 record=self.ckpt_dir / PUBLISHED,
+                # One trainer process on a GPU: snapshots stay there for CUDA IPC.
+                device=world.device.type == "cuda"
+                and world.size == 1
+                and cfg.inference.backend == "torch"
+                and cfg.inference.cuda_ipc != "off",
             )
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl" if world.is_main else None, "trainer")
         self.gpu = for_device(str(world.device)) if world.is_main else None

@@ -10,6 +10,11 @@ the next one is due is superseded by the newer one, never queued behind it.
 
 Non-finite weights are never published: the publication is refused, counted and logged.
 
+On one GPU (one trainer process on CUDA, torch inference servers, ``inference.cuda_ipc``
+not ``off``), snapshots stay on the device (``cpu_offload=False``) and servers that declare
+the same GPU get them as a CUDA IPC handle, copied device to device
+(:mod:`inference.weights`); the others get host buckets of the same version.
+
 Each version is written to ``record`` (``<run>/checkpoints/published_version``) before
 anyone hears of it, so a trainer restarted from an older checkpoint continues after it
 even when the gateway and the inference servers were restarted too and know no version
@@ -39,14 +44,19 @@ from gateway.protocol import RemoteError, Timeout
 log = logging.getLogger(__name__)
 
 
-def full_state_dict(module: nn.Module, out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """A snapshot of the module's full (unsharded) state dict as numpy arrays; every rank
-    must call it. Always a copy: with one process the gathered tensors can be the live
-    parameters themselves, which the next optimizer step would change under a sender.
-    ``out``: an earlier snapshot no longer in use, overwritten instead of allocating (a
-    fresh 400 MB allocation costs more in page faults than the copy itself)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+def full_state_dict(
+    module: nn.Module, out: Mapping[str, Any] | None = None, *, device: bool = False
+) -> dict[str, Any]:
+    """A snapshot of the module's full (unsharded) state dict as numpy arrays (``device``:
+    as float32 tensors on the module's device); every rank must call it. Always a copy:
+    with one process the gathered tensors can be the live parameters themselves, which
+    the next optimizer step would change under a sender. ``out``: an earlier snapshot no
+    longer in use, overwritten instead of allocating (a fresh 400 MB allocation costs
+    more in page faults than the copy itself)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not device)
     state = get_model_state_dict(module, options=options)
+    if device:
+        return _device_snapshot(state, out)
     arrays: dict[str, np.ndarray] = {}
     for k, v in state.items():
         src = v.detach().to(torch.float32 if v.is_floating_point() else v.dtype).numpy()
@@ -57,6 +67,37 @@ def full_state_dict(module: nn.Module, out: Mapping[str, np.ndarray] | None = No
         else:
             arrays[k] = np.array(src, copy=True)
     return arrays
+
+
+def _device_snapshot(
+    state: Mapping[str, torch.Tensor], out: Mapping[str, Any] | None
+) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        src = v.detach().to(torch.float32 if v.is_floating_point() else v.dtype)
+        dst = out.get(k) if out is not None else None
+        if isinstance(dst, torch.Tensor) and (dst.shape, dst.dtype, dst.device) == (
+            src.shape,
+            src.dtype,
+            src.device,
+        ):
+            dst.copy_(src)
+            tensors[k] = dst
+        else:
+            tensors[k] = src.clone()
+    return tensors
+
+
+def non_finite(arrays: Mapping[str, Any]) -> list[str]:
+    """Names of float arrays (numpy, or tensors on any device) holding NaN or Inf."""
+    bad = []
+    for k, v in arrays.items():
+        if isinstance(v, np.ndarray):
+            if v.dtype.kind == "f" and not np.isfinite(v).all():
+                bad.append(k)
+        elif v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            bad.append(k)
+    return bad
 
 
 class Publisher:
@@ -72,10 +113,13 @@ class Publisher:
         control: Any | None,
         timeout_s: float = 30.0,
         record: Path | None = None,
+        device: bool = False,
     ) -> None:
         from inference.weights import WeightsPublisher
 
         self.spec, self.net_config, self.onnx = spec, net_config, onnx
+        self.device = device
+        """Snapshots stay on the trainer's GPU (CUDA IPC to servers on it, host buckets to others)."""
         self.record = record
         self.control = control
         self.publisher = WeightsPublisher(targets, timeout_s=timeout_s) if targets else None
@@ -83,8 +127,8 @@ class Publisher:
         self.refused = 0
         self.failures = 0
         self.history: list[tuple[int, float]] = []
-        self._queue: queue.Queue[tuple[int, dict[str, np.ndarray], float] | None] = queue.Queue(maxsize=1)
-        self._spare: list[dict[str, np.ndarray]] = []
+        self._queue: queue.Queue[tuple[int, dict[str, Any], float] | None] = queue.Queue(maxsize=1)
+        self._spare: list[dict[str, Any]] = []
         """Snapshots that no socket holds any more, reused by :meth:`snapshot`."""
         self._spare_lock = threading.Lock()
         self._targets: Sequence[Mapping[str, Any] | str] | None = None
@@ -92,18 +136,18 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
 
-    def snapshot(self, module: nn.Module) -> dict[str, np.ndarray]:
+    def snapshot(self, module: nn.Module) -> dict[str, Any]:
         """:func:`full_state_dict` into the buffers of a finished publication when there is one."""
         with self._spare_lock:
             out = self._spare.pop() if self._spare else None
-        return full_state_dict(module, out)
+        return full_state_dict(module, out, device=self.device)
 
-    def _recycle(self, arrays: dict[str, np.ndarray]) -> None:
+    def _recycle(self, arrays: dict[str, Any]) -> None:
         with self._spare_lock:
             if len(self._spare) < 2:
                 self._spare.append(arrays)
 
-    def submit(self, version: int, arrays: dict[str, np.ndarray]) -> None:
+    def submit(self, version: int, arrays: dict[str, Any]) -> None:
         """Queue a snapshot as ``version``, replacing a queued older one. The sending thread
         refuses it (``refused``) if any value is NaN or Inf: the check reads every weight,
         so it stays off the training loop too."""
@@ -130,7 +174,7 @@ class Publisher:
                 self.publisher.follow(targets)
             version, arrays, created = item
             started = time.monotonic()
-            bad = [k for k, v in arrays.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+            bad = non_finite(arrays)
             if bad:
                 self.refused += 1
                 log.error("version %d not published: non-finite values in %s", version, ", ".join(bad[:5]))
@@ -173,11 +217,12 @@ class Publisher:
                 self.failures += 1
                 log.warning("publication of version %d incomplete: %s", version, exc)
 
-    def _export(self, arrays: dict[str, np.ndarray]) -> bytes:
+    def _export(self, arrays: dict[str, Any]) -> bytes:
+        from inference.weights import host_arrays
         from networks.modules import export_onnx, load_numpy, make_actor
 
         actor = make_actor(self.spec, self.net_config)
-        load_numpy(actor, arrays)
+        load_numpy(actor, host_arrays(arrays))
         return export_onnx(actor)
 
     def flush(self, timeout_s: float = 30.0) -> None:

@@ -39,7 +39,7 @@ from gateway.evaluation import Evaluator, LagTracker
 from gateway.hub.accounting import account
 from gateway.hub.clients import ClientRouter
 from gateway.hub.control import ControlDesk
-from gateway.hub.state import HOLD_MESSAGES, Collection, WorkerSession, attach_ring
+from gateway.hub.state import HOLD_MESSAGES, Collection, WorkerSession, accept_cuda, attach_ring
 from gateway.hub.status import status_of
 from gateway.hub.timing import StepTiming
 from gateway.metrics import Histogram, MetricsWriter
@@ -239,6 +239,10 @@ class Gateway:
         session.shm, ring = attach_ring(meta.get("shm"), self.config.shared_memory, uid)
         if ring is not None:
             welcome["shm"] = ring
+        takes = self.source is not None and self.source.takes_device_obs
+        session.cuda, cuda = accept_cuda(meta.get("cuda_ipc"), self.config.cuda_ipc, uid, takes, self.limits)
+        if cuda is not None:
+            welcome["cuda_ipc"] = cuda
         send(self.workers_sock, Message(MsgType.WELCOME, seq=msg.seq, meta=welcome), route=[route])
         if self.state.estopped:  # a robot joining during an e-stop must hold too
             command = {
@@ -276,6 +280,7 @@ class Gateway:
             return
         t_received = time.time()
         obs, info = self._check_observation(session, msg)
+        session.device_obs = session.device_handle(msg)
         self.timing.observation(session, msg, info, t_received)
         if session.held:
             session.held = False
@@ -358,10 +363,11 @@ class Gateway:
         session.t_submitted = time.perf_counter()
         key, deadline = (session.uid, session.awaiting), time.monotonic() + self.config.action_deadline_s
         flags = self.evaluator.flags(session.uid, session.num_envs)
+        device: dict[str, Any] = {} if session.device_obs is None else {"device_obs": session.device_obs}
         if flags.any():  # evaluation episodes act deterministically
-            self.source.submit(key, session.pending_obs, deadline, deterministic=flags.copy())
+            self.source.submit(key, session.pending_obs, deadline, deterministic=flags.copy(), **device)
         else:
-            self.source.submit(key, session.pending_obs, deadline)
+            self.source.submit(key, session.pending_obs, deadline, **device)
         if self.source.synchronous:  # answered already: send it now, not at the end of the loop
             self.collect_actions()
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
+from gateway.cuda_handles import RingOffer
 from gateway.env_columns import EpisodeIds
 from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
@@ -138,6 +139,10 @@ class WorkerSession:
     """Array bytes of its observations read in place from shared memory."""
     frame_bytes: int = 0
     """Array bytes of its observations that came as frames (copied through the socket)."""
+    cuda: RingOffer | None = None
+    """The worker's ring of GPU buffers (:mod:`gateway.cuda_ipc`), accepted; None: none."""
+    device_obs: dict[str, Any] | None = None
+    """The CUDA IPC handle of the observation waiting for an action, for the action source."""
     takeover_seq: int | None = None
     """Seq of the last observation a takeover client answered (:mod:`gateway.hub.clients`):
     the steps the next observation completes are interventions."""
@@ -159,6 +164,12 @@ class WorkerSession:
         msg = self.shm.decode(msg)
         self.shm_bytes += self.shm.bytes_shared - before
         return msg
+
+    def device_handle(self, msg: Message) -> dict[str, Any] | None:
+        """The CUDA IPC handle for an observation's ``meta["cuda_ipc"]`` (None without one, or
+        when this worker's ring was not accepted: its host arrays serve alone)."""
+        step = msg.meta.get("cuda_ipc")
+        return None if step is None or self.cuda is None else self.cuda.handle(step)
 
     def completed(self, msg: Message, info: StepInfo, rows: np.ndarray) -> Transitions:
         """The steps rows ``rows`` of observation ``msg`` complete: observation, action and
@@ -223,6 +234,26 @@ def attach_ring(offer: Any, mode: str, uid: str) -> tuple[ShmView | None, dict[s
         view.seg.slot_bytes,
     )
     return view, {"ok": True}
+
+
+def accept_cuda(
+    offer: Any, mode: str, uid: str, takes: bool, limits: Limits
+) -> tuple[RingOffer | None, dict[str, Any] | None]:
+    """A worker's CUDA IPC offer (``gateway.cuda_ipc`` = ``mode``; ``takes``: the action
+    source can pass handles on): the kept offer, and WELCOME's answer (None: no offer)."""
+    if offer is None:
+        return None, None
+    try:
+        if mode == "off":
+            raise ValueError("gateway.cuda_ipc is off")
+        if not takes:
+            raise ValueError("the policy is not served by inference servers")
+        ring = RingOffer.parse(offer, limits)
+    except ValueError as exc:
+        log.info("worker %s: no CUDA IPC (%s); inference gets host arrays", uid, exc)
+        return None, {"ok": False, "reason": str(exc)}
+    log.info("worker %s: observations also as CUDA IPC handles (%d slots)", uid, len(ring.slots))
+    return ring, {"ok": True}
 
 
 class Hub(Protocol):

@@ -54,6 +54,7 @@ def status_of(gw: Any) -> dict[str, Any]:
                 "client": s.client is not None,
                 "shm": s.shm is not None,
                 "shm_bytes": s.shm_bytes,
+                "cuda_ipc": s.cuda is not None,
                 "frame_bytes": s.frame_bytes,
             }
             for s in gw.sessions.values()

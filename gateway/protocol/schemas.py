@@ -79,7 +79,8 @@ WORKER_OBSERVATION = Schema(
     "final_obs/<key> [K, ...] when an episode ended; prev/* (the step this message completes: the "
     "first message after a reconnect). meta: uid, rtt_us, reset, hops_us, env_log (a simulator's "
     "episode statistics, on steps with a reset), shm (handles of arrays in a shared-memory slot: "
-    "gateway.shm).",
+    "gateway.shm), cuda_ipc (slot and event of the same observations in the worker's GPU ring: "
+    "gateway.cuda_ipc).",
 )
 CLIENT_OBSERVATION = Schema(
     "client observation",
@@ -110,10 +111,10 @@ CLIENT_STEP = Schema(
 INFERENCE_REQUEST = Schema(
     "inference request",
     MsgType.INFER,
-    prefixes=("obs/",),
-    optional=("deterministic",),
-    doc="gateway -> inference server: obs/<key> [rows, ...]; deterministic bool[rows] (per row) or "
-    "meta deterministic (all rows); meta deadline_ms (default: the server's).",
+    optional=("obs/", "deterministic"),
+    doc="gateway -> inference server: obs/<key> [rows, ...], or instead meta cuda_ipc (a handle of "
+    "them on the server's GPU: gateway.cuda_ipc); deterministic bool[rows] (per row) or meta "
+    "deterministic (all rows); meta deadline_ms (default: the server's).",
 )
 TRAJECTORY_CHUNK = Schema(
     "trajectory chunk",

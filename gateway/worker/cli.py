@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "on", "off"),
         help="large batches through shared memory (default: gateway.shared_memory, auto = local gateway)",
     )
+    p.add_argument(
+        "--cuda-ipc",
+        choices=("auto", "on", "off"),
+        help="observations on a GPU also as CUDA IPC handles (default: gateway.cuda_ipc, auto = local gateway)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -63,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     lifeline.arm()
     shared_memory = args.shared_memory or "auto"
+    cuda = args.cuda_ipc or "auto"
     backend_name, num_envs, seed, options, heartbeat, timeout, curve = (
         "mujoco_reach",
         1,
@@ -84,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat, timeout = cfg.gateway.heartbeat_s, cfg.gateway.worker_timeout_s
             curve = curve or cfg.gateway.curve_keys
             shared_memory = args.shared_memory or cfg.gateway.shared_memory
+            cuda = args.cuda_ipc or cfg.gateway.cuda_ipc
         for text in args.option:
             key, _, value = text.partition("=")
             options[key] = yaml.safe_load(value)
@@ -121,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         keys=CurveKeys.load(curve) if curve else None,
         tap_address=tap,
         shared_memory=shared_memory,
+        cuda_ipc=cuda,
         endpoints=args.endpoints if args.connect is None else None,
     )
 

@@ -16,6 +16,7 @@ import numpy as np
 import zmq
 
 from gateway import shm, steps
+from gateway.cuda_ipc import CudaRing
 from gateway.endpoints import lookup
 from gateway.endpoints import read as read_endpoints
 from gateway.episode import EpisodeBackend, Obs
@@ -59,6 +60,7 @@ class EnvWorker:
         tap_address: str | None = None,
         shared_memory: str = "auto",
         endpoints: str | Path | None = None,
+        cuda_ipc: str = "auto",
     ) -> None:
         self.backend = backend
         self.address = address
@@ -96,6 +98,11 @@ class EnvWorker:
         """``gateway.shared_memory``: offer the gateway a shared-memory ring (:mod:`gateway.shm`)."""
         self.shm: shm.ShmWriter | None = None
         """The ring the gateway accepted for this connection (None: frames)."""
+        self.cuda_ipc = cuda_ipc
+        """``gateway.cuda_ipc``: offer a ring of GPU buffers too (:mod:`gateway.cuda_ipc`)."""
+        self.cuda: CudaRing | None = None
+        """This worker's GPU ring, made once and offered at every HELLO (None: none)."""
+        self._cuda_made = False
         self.tap: ObservationTap | None = None
         self._tapped: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
         """The action (and its versions) that led to the observation being sent."""
@@ -151,11 +158,18 @@ class EnvWorker:
             offer = self._offer_ring()
             if offer is not None:
                 meta["shm"] = offer
+            if not self._cuda_made:  # once: its buffers live as long as this worker
+                self._cuda_made = True
+                self.cuda = CudaRing.for_worker(self.cuda_ipc, self.address, self.backend)
+            if self.cuda is not None:
+                meta["cuda_ipc"] = self.cuda.offer()
             send(sock, Message(MsgType.HELLO, meta=meta))
             if sock.poll(int(self.gateway_timeout_s * 1000)):
                 reply = recv(sock, self.limits)
                 if reply.type is MsgType.WELCOME:
                     self._ring_answered(reply.meta.get("shm"))
+                    if self.cuda is not None:
+                        self.cuda.answered(reply.meta.get("cuda_ipc"))
                     self._subscribe_bus(reply.meta.get("estop_bus"))
                     return reply.meta
                 if reply.type is MsgType.ERROR:
@@ -257,9 +271,13 @@ class EnvWorker:
         if final is not None and terminated is not None and (np.any(terminated) or np.any(truncated)):
             arrays.update(pack("final_obs", final))
         self._seq += 1
-        return Message(
-            MsgType.OBSERVATION, seq=self._seq, meta={"uid": self.uid, "reset": reset}, arrays=arrays
-        )
+        meta: dict[str, Any] = {"uid": self.uid, "reset": reset}
+        if self.cuda is not None and self.cuda.accepted:
+            # The host arrays above are still sent: the gateway records every step from them.
+            step = self.cuda.write(self._seq, self.backend.device_observations())
+            if step is not None:
+                meta["cuda_ipc"] = step
+        return Message(MsgType.OBSERVATION, seq=self._seq, meta=meta, arrays=arrays)
 
     def _with_prev(self, msg: Message) -> Message:
         if self._prev is None:
@@ -340,6 +358,9 @@ class EnvWorker:
             if self.shm is not None:
                 self.shm.close()
                 self.shm = None
+            if self.cuda is not None:
+                self.cuda.close()
+                self.cuda = None
             if self.tap is not None:
                 self.tap.close()
 
