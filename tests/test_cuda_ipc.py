@@ -235,8 +235,10 @@ def test_weights_staging_shares_each_buffer_once_and_the_consumer_copies_out(sta
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of a machine without CUDA")
-def test_without_cuda_nothing_is_offered_or_declared_and_it_says_why_once(caplog):
-    """The real CUDA calls on this CPU machine: torch sees no device."""
+def test_without_cuda_nothing_is_offered_or_declared_and_it_says_why_once(caplog, monkeypatch):
+    """The real CUDA calls on this CPU machine: torch sees no device. (The "once" is per
+    process: what earlier tests in this process logged is forgotten first.)"""
+    monkeypatch.setattr(cuda_ipc, "_logged", set())
     from sim_bridges.batched import TorchEnvBackend
     from sim_bridges.torch_reach import TorchReachConfig, TorchReachEnv
 

@@ -221,7 +221,10 @@ def test_inference_replicas_follow_the_queue_and_the_balancer_follows_them(tmp_p
     assert summary["outcome"] == "interrupted", log[-3000:]
     changes = [r["autoscale"] for r in read_metrics(run / "metrics.jsonl") if "autoscale" in r]
     assert changes[0]["started"] == "inference-1" and changes[0]["replicas"] == 2
-    assert changes[-1]["stopped"] == "inference-1" and changes[-1]["replicas"] == 1
+    # The idle replica stopped during the pause (after the resume the queue may grow and
+    # bring it back: that is the autoscaler doing its work).
+    stops = [c for c in changes if "stopped" in c]
+    assert stops and stops[0]["stopped"] == "inference-1" and stops[0]["replicas"] == 1, changes
     assert "autoscaled inference 1 -> 2" in log and "autoscaled inference 2 -> 1" in log
     assert summary["inference"]["inference-1"]["requests"] > 0
     assert summary["acked_steps"] == summary["stored_steps"] == summary["env_steps"]

@@ -171,6 +171,7 @@ def test_publication_waits_for_the_untrained_policys_evaluation(tmp_path):
     cfg["env"]["options"] = {"max_episode_steps": 600}
     cfg["replay"]["tables"][0]["min_size_to_sample"] = 64
     cfg["trainer"]["eval_every"] = 10_000  # only the untrained round
+    cfg["trainer"]["eval_episodes"] = 4  # one per env of one worker: it ends well within the updates
     cfg["trainer"]["target_success_rate"] = None
     path.write_text(yaml.safe_dump(cfg))
     _, summary = finish(up(path, run), run)

@@ -349,6 +349,7 @@ class Trainer:
                 raise
             log.info("stopping while waiting for data (%s)", exc)
         log.info("trainer stopping: %s", self.stop_reason or "asked to")
+        self.poll_gateway()  # an evaluation round that ended since the last look is recorded too
         self.publish()
         checkpoint.save(self.algo, self.ckpt_dir, self.c.saved(), is_main=self.world.is_main)
         self.report()
