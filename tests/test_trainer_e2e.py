@@ -164,14 +164,17 @@ def test_trainer_killed_mid_run_resumes_and_versions_never_go_backwards(tmp_path
 
 def test_publication_waits_for_the_untrained_policys_evaluation(tmp_path):
     """Long evaluation episodes and a publication per update: without the hold, version 2
-    would act in the untrained round within the first few updates."""
+    would act in the untrained round within the first few updates. The round (an episode
+    under way, then the evaluation episode: at most 400 steps of each env) ends well
+    within the update budget however fast the trainer runs (its end is recorded only
+    while the trainer runs)."""
     run = tmp_path / "run"
-    path = config(tmp_path, max_updates=400, publish_every=1, eval_every=0, final_eval_episodes=0)
+    path = config(tmp_path, max_updates=800, publish_every=1, eval_every=0, final_eval_episodes=0)
     cfg = yaml.safe_load(path.read_text())
-    cfg["env"]["options"] = {"max_episode_steps": 600}
+    cfg["env"]["options"] = {"max_episode_steps": 200}
     cfg["replay"]["tables"][0]["min_size_to_sample"] = 64
     cfg["trainer"]["eval_every"] = 10_000  # only the untrained round
-    cfg["trainer"]["eval_episodes"] = 4  # one per env of one worker: it ends well within the updates
+    cfg["trainer"]["eval_episodes"] = 4
     cfg["trainer"]["target_success_rate"] = None
     path.write_text(yaml.safe_dump(cfg))
     _, summary = finish(up(path, run), run)
