@@ -32,7 +32,7 @@ back in.
 **On one GPU** (``format: cuda_ipc``). A state dict of CUDA tensors goes to a server that
 declares the same GPU (``cuda_ipc`` in its METADATA reply, asked once per server) as one
 WEIGHTS message without arrays: ``meta["cuda_ipc"]`` is a handle of the tensors copied into
-the publisher's staging buffers (:class:`gateway.Staging`, each shared once). The
+the publisher's staging buffers (:class:`gateway.cuda_ipc.Staging`, each shared once). The
 server copies them device-to-device into its own tensors, then validates, swaps and
 answers as above; the publisher overwrites its staging buffers only after every answer.
 Other servers get the same version as host buckets, in the same publication.
