@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -353,3 +354,72 @@ def test_ctrl_c_right_after_the_gateway_died_waits_for_its_restart_and_stores_ev
     assert summary["acked_steps"] >= 400, summary
     assert summary["stored_steps"] == summary["acked_steps"], summary
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0, summary
+
+
+@pytest.mark.e2e
+def test_a_full_spool_disk_holds_an_inference_driven_run_and_loses_nothing(tmp_path):
+    """The inference server computes an action while the gateway writes the steps the
+    observation completes; when that write fails (the spool's disk is full: a tiny tmpfs,
+    mounted here, which needs root, and filled), the action must not leave, since it would
+    acknowledge steps that are not on disk. Collection holds, says why, and resumes once
+    the disk has room; every acknowledged step is stored exactly once."""
+    from gateway.control_client import ControlClient
+    from gateway.protocol import Timeout
+    from tests.test_sink_conformance import disk_full
+
+    run = tmp_path / "run"
+    spool = run / "spool"
+    spool.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(spool)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        cfg = {
+            "env": {"backend": "mujoco_reach", "workers": 1, "num_envs": 4, "seed": 0},
+            "policy": {"kind": "inference"},
+            "inference": {"enabled": True, "backend": "torch", "network": {"hidden_sizes": [16]}},
+            "run": {"max_env_steps": None, "status_interval_s": 0.2},
+        }
+        path = tmp_path / "inference.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        proc = up(path, run)
+        try:
+            wait_for(lambda: (run / "endpoints.json").exists(), timeout=60, what="endpoints.json")
+            control = ControlClient(json.loads((run / "endpoints.json").read_text())["gateway"]["control"])
+
+            def status() -> dict[str, Any]:
+                try:
+                    return control.request("status", timeout_s=2.0)
+                except Timeout:
+                    return {}
+
+            try:
+                wait_for(lambda: status().get("env_steps", 0) >= 200, timeout=120, what="200 steps")
+                with disk_full(spool):
+                    wait_for(lambda: status().get("held") == "storage", timeout=30, what="the hold")
+                    held = status()
+                    assert held["acked_steps"] == held["env_steps"], held
+                    # Nothing more is acknowledged while the spool cannot write.
+                    time.sleep(0.5)
+                    again = status()
+                    assert again["held"] == "storage" and again["acked_steps"] == held["acked_steps"], again
+                wait_for(
+                    lambda: status().get("acked_steps", 0) > held["acked_steps"] + 200,
+                    timeout=60,
+                    what="collection resumed once the disk has room",
+                )
+            finally:
+                control.close()
+            proc.send_signal(signal.SIGINT)
+        except BaseException:
+            proc.kill()
+            raise
+        out, summary = ended(proc, run)
+        assert summary["outcome"] == "interrupted", out[-3000:]
+        assert "the spool cannot write" in (run / "logs" / "gateway.log").read_text()
+        assert summary["stored_steps"] == summary["acked_steps"] > held["acked_steps"], summary
+        assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0, summary
+    finally:
+        subprocess.run(["umount", "-l", str(spool)], capture_output=True)

@@ -292,18 +292,8 @@ class Gateway:
         # acknowledged, like one completed in an episode the drain closed.
         rows = np.flatnonzero(info.has_prev) if not self.state.draining else np.empty(0, np.int64)
         completed = session.completed(msg, info, rows) if len(rows) else None
-        # Durable before any ACTION leaves: the ACTION acknowledges these steps.
-        if completed is not None:
-            started = time.perf_counter()
-            try:
-                written = self._spool(session, completed)
-            except OSError:  # disk full: not acknowledged; this observation waits (tick retries)
-                session.unspooled = msg
-                return
-            self.timing.hops.add("spool_write", (time.perf_counter() - started) * 1e6)
-        else:
-            written = 0
         old_episodes = session.pending_ids[0] if session.pending_ids is not None else None
+        before = session.answer_state()
         session.last_seq = msg.seq
         session.last_reply = None
         session.pending_obs = obs
@@ -312,9 +302,38 @@ class Gateway:
         session.submitted = False
         session.acked_now = len(rows)
         session.t_received = t_received
-        self.route_observation(session, msg)
-        # Bookkeeping after the ACTION left (in-process policies answer at once).
+        # Durable before any ACTION leaves: the ACTION acknowledges these steps. A policy
+        # that answers through this loop later (an inference server) computes meanwhile;
+        # one that answers at once (in-process) or a client script gets the observation
+        # only once they are written.
+        ahead = completed is not None and self.answers_later(session)
+        if ahead:
+            self.route_observation(session, msg)
+        written = 0
+        if completed is not None:
+            started = time.perf_counter()
+            try:
+                written = self._spool(session, completed)
+            except OSError:  # disk full: not acknowledged; this observation waits (tick retries)
+                session.restore_answer_state(before)  # an answer already computed is dropped
+                session.unspooled = msg
+                return
+            self.timing.hops.add("spool_write", (time.perf_counter() - started) * 1e6)
+        if not ahead:
+            self.route_observation(session, msg)
+        # Bookkeeping after the ACTION left (in-process policies answer at once) or while
+        # the policy computes it.
         self._account(session, msg, info, completed, old_episodes, written)
+
+    def answers_later(self, session: WorkerSession) -> bool:
+        """Whether this observation's action can only come in a later turn of this loop:
+        the experiment's policy answers it, asynchronously (an inference server)."""
+        return (
+            session.client is None
+            and self.source is not None
+            and not self.source.synchronous
+            and self.collecting
+        )
 
     def _spool(self, session: WorkerSession, steps: Transitions) -> int:
         """Write the transitions this observation completes to the recorder's spool."""

@@ -149,6 +149,26 @@ class WorkerSession:
     takeover_envs: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     """bool[K]: which envs of that answer a person drove (set with ``takeover_seq``)."""
 
+    ANSWER_STATE = (
+        "last_seq",
+        "last_reply",
+        "pending_obs",
+        "pending_ids",
+        "awaiting",
+        "submitted",
+        "acked_now",
+        "t_received",
+    )
+    """What taking an observation for an answer changes (undone when its steps cannot be
+    written: the observation is handled again, as if for the first time, once they can)."""
+
+    def answer_state(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.ANSWER_STATE)
+
+    def restore_answer_state(self, saved: tuple[Any, ...]) -> None:
+        for name, value in zip(self.ANSWER_STATE, saved, strict=True):
+            setattr(self, name, value)
+
     def receive(self, msg: Message) -> Message:
         """An OBSERVATION with the arrays its shared-memory handles name put in place."""
         self.frame_bytes += sum(a.nbytes for a in msg.arrays.values())
