@@ -188,6 +188,8 @@ class Batcher:
         self.queued_rows = 0
         self.arrivals = Arrivals()
         self.staged: Staged | None = None
+        self.taken = threading.Event()
+        """Set once the last staged version was swapped in (or refused) and answered."""
         self.newest = policy.version
         """Newest version serving or staged; a publication must be newer (reset by a rollback)."""
         self.rollback: tuple[bytes, bytes, int] | None = None
@@ -244,6 +246,7 @@ class Batcher:
         with self.lock:
             old, self.staged = self.staged, staged
             self.newest = max(self.newest, staged.policy.version)
+            self.taken.clear()
         if old is not None:
             if self.retire is not None:
                 self.retire(old.policy)  # it never served
@@ -266,6 +269,7 @@ class Batcher:
             staged, self.staged = self.staged, None
         if staged is not None:
             self._swap(staged)
+            self.taken.set()
         if self.rollback is not None:
             (tag, route, seq), self.rollback = self.rollback, None
             self._roll_back(tag, route, seq)

@@ -76,6 +76,8 @@ TAGS = {name: name[0].encode() for name in SOCKETS}
 SWITCH_INTERVAL_S = 0.0002
 WAKE = b"w"
 """A one-frame message on the ``inproc`` socket: the loader staged a version."""
+SWAP_WAIT_S = 1.0
+"""Longest the loader waits for a staged version to be swapped in before it prepares the next."""
 MAX_QUEUE_BATCHES = 64
 """Queued rows beyond ``max_batch * this`` are refused with ``unavailable`` (backpressure)."""
 
@@ -385,6 +387,16 @@ class InferenceServer:
             )
             self.batcher.stage(Staged(policy, TAGS["weights"], update.route, update.seq, t0))
             self._wake()
+            # The next version's module structure is built once this one is answered:
+            # built meanwhile, its Python would share the GIL with the swap and the answer
+            # the publisher waits for. A serving thread stuck in a long batch delays it no
+            # more than SWAP_WAIT_S.
+            if not self.batcher.taken.wait(SWAP_WAIT_S):
+                log.debug(
+                    "version %d not swapped in within %.1f s; preparing the next anyway",
+                    update.version,
+                    SWAP_WAIT_S,
+                )
             self.backend.prepare()
 
     def _device_weights(self, handle: cuda_ipc.DeviceHandle) -> dict[str, Any]:
