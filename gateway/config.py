@@ -211,12 +211,15 @@ class RunConfig:
     for a fast e-stop on saturated cores) needs ``CAP_SYS_NICE`` or a ``nice`` limit in
     ``/etc/security/limits.conf``; without it ``loopgate up`` refuses the config."""
     realtime_priority: int = 10
-    """Real-time (``SCHED_FIFO``) priority, 1-99, of the control loop's hub and the e-stop's
-    path: every thread of the gateway, and the console's event loop with its ZeroMQ I/O
-    threads, so neither an e-stop nor an action waits for a core that simulators, cameras,
-    browsers or the trainer keep busy. Taken where the system allows it (``CAP_SYS_NICE``,
-    or an ``rtprio`` limit in ``/etc/security/limits.conf`` as real-time ROS 2 setups have);
-    elsewhere logged once and left at normal priority. 0: off."""
+    """Real-time (``SCHED_FIFO``) priority, 1-99, of the control loop's hub, its policy and
+    the e-stop's path: every thread of the gateway and of each inference server, and the
+    console's event loop with its ZeroMQ I/O threads, so neither an e-stop nor an action
+    waits for a core that simulators, cameras, browsers or the trainer keep busy. Each of
+    them works only when asked (an observation, a request, a click), so none can take the
+    cores from the rest; env workers, which a fast simulator keeps stepping, stay at
+    normal priority (``run.nice`` raises them). Taken where the system allows it
+    (``CAP_SYS_NICE``, or an ``rtprio`` limit in ``/etc/security/limits.conf`` as
+    real-time ROS 2 setups have); elsewhere logged once and left at normal priority. 0: off."""
     engine: Literal["local", "ray"] = "local"
     """Who starts and watches the services: ``local`` (child processes of ``loopgate up``) or
     ``ray`` (one Ray actor per service on a Ray cluster; ``loopgate up --ray ADDRESS``)."""

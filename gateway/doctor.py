@@ -208,8 +208,8 @@ def check_scheduling() -> list[Check]:
     """How ``run.nice`` will act here: the CPUs this process may use, its niceness,
     whether the kernel shares the CPU between sessions first (autogroup: each service's
     session is niced with it), whether a priority may be raised (``run.nice`` < 0), and
-    whether ``run.realtime_priority`` will take (``SCHED_FIFO`` for the gateway and the
-    e-stop's path)."""
+    whether ``run.realtime_priority`` will take (``SCHED_FIFO`` for the gateway, the
+    inference servers and the e-stop's path)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
     try:
         autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"

@@ -48,6 +48,7 @@ from gateway.config import ConfigError, to_plain
 from gateway.episode import EnvSpec
 from gateway.gpu_stats import for_device
 from gateway.metrics import MetricsWriter
+from gateway.priority import go_realtime
 from gateway.protocol import (
     ErrorCode,
     Limits,
@@ -94,11 +95,14 @@ class InferenceServer:
         index: int = 0,
         keys: CurveKeys | None = None,
         metrics: MetricsWriter | None = None,
+        realtime_priority: int = 0,
         limits: Limits | None = None,
         backend: Backend | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.config, self.spec, self.index = config, spec, index
+        self.realtime_priority = realtime_priority
+        """``run.realtime_priority``: every thread's, taken when :func:`main` starts serving."""
         self.limits = limits or Limits()
         self.metrics = metrics or MetricsWriter(None, f"inference-{index}")
         self.backend = backend or make_backend(spec, config)
@@ -567,6 +571,7 @@ def build_server(args: argparse.Namespace) -> InferenceServer:
         keys=keys,
         metrics=MetricsWriter(run_dir / "metrics.jsonl", f"inference-{args.index}"),
         limits=cfg.gateway.limits,
+        realtime_priority=cfg.run.realtime_priority,
     )
     if args.index >= len(planned):  # standalone: tell clients where this replica is
         fresh = json.loads(endpoints_path.read_text()) if endpoints_path.exists() else {}
@@ -597,6 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _stop)
     try:
         freeze_heap()
+        # Every thread (the loader's swaps share the interpreter lock with serving);
+        # threads started later inherit it.
+        go_realtime(server.realtime_priority, f"inference-{server.index}", every_thread=True)
         server.serve()
     finally:
         with contextlib.suppress(zmq.ZMQError):

@@ -1,4 +1,5 @@
-"""The control loop's hub and the e-stop's path at real-time priority (``run.realtime_priority``).
+"""The control loop's hub, its policy and the e-stop's path at real-time priority
+(``run.realtime_priority``).
 
 On cores saturated by simulators, camera rendering and browsers, each hop of the e-stop
 (the console's event loop, the ZeroMQ I/O threads, the gateway's control line and the
@@ -53,7 +54,8 @@ def pid_of(pattern: str, run: Path) -> int:
 def console_config(tmp_path: Path, priority: int) -> Path:
     cfg = {
         "env": {"backend": "mujoco_reach", "workers": 1, "num_envs": 2, "seed": 0},
-        "policy": {"kind": "random"},
+        "policy": {"kind": "inference"},
+        "inference": {"enabled": True, "backend": "torch", "network": {"hidden_sizes": [16]}},
         "console": {"enabled": True, "port": 0},
         "run": {"max_env_steps": None, "status_interval_s": 0.2, "realtime_priority": priority},
     }
@@ -65,32 +67,36 @@ def console_config(tmp_path: Path, priority: int) -> Path:
 @needs_realtime
 @pytest.mark.e2e
 @pytest.mark.parametrize("priority", [10, 0], ids=["on", "off"])
-def test_the_gateway_and_the_consoles_estop_path_run_at_real_time_priority_and_nothing_else(
+def test_the_gateway_its_policy_and_the_consoles_estop_path_run_at_real_time_priority_and_nothing_else(
     tmp_path, priority
 ):
-    """Under ``loopgate up`` with the console: every thread of the gateway (its loop, its
-    control line, its I/O and writer threads), and the console's event loop and I/O
-    threads, are ``SCHED_FIFO``; the console's other threads and the env worker are not.
-    ``realtime_priority: 0`` leaves every thread at normal priority."""
+    """Under ``loopgate up`` with the console and an inference server: every thread of the
+    gateway (its loop, its control line, its I/O and writer threads) and of the inference
+    server (serving, loading, I/O), and the console's event loop and I/O threads, are
+    ``SCHED_FIFO``; the console's other threads and the env worker (a simulator stepping
+    flat out must leave the cores to others) are not. ``realtime_priority: 0`` leaves
+    every thread at normal priority."""
     run = tmp_path / "run"
     proc = up(console_config(tmp_path, priority), run)
     try:
         clients_address(run)
         wait_for(lambda: "console" in json.loads((run / "endpoints.json").read_text()), what="the console")
         gateway, console = pid_of("gateway.hub", run), pid_of("gateway.console", run)
-        worker = pid_of("gateway.worker", run)
+        worker, inference = pid_of("gateway.worker", run), pid_of("m inference --config", run)
         if priority:
 
-            def every_thread() -> bool:
-                return realtime_threads(gateway) == {int(t) for t in os.listdir(f"/proc/{gateway}/task")}
+            def every_thread(pid: int) -> bool:
+                return realtime_threads(pid) == {int(t) for t in os.listdir(f"/proc/{pid}/task")}
 
-            wait_for(every_thread, what="every thread of the gateway")
+            wait_for(lambda: every_thread(gateway), what="every thread of the gateway")
+            wait_for(lambda: every_thread(inference), what="every thread of the inference server")
             # The event loop is the console's main thread; its I/O threads follow it.
             wait_for(lambda: console in realtime_threads(console), what="the console's event loop")
             assert len(realtime_threads(console)) >= 2
             assert len(realtime_threads(console)) < len(os.listdir(f"/proc/{console}/task"))
         else:
             assert realtime_threads(gateway) == set() and realtime_threads(console) == set()
+            assert realtime_threads(inference) == set()
         assert realtime_threads(worker) == set()
         proc.send_signal(signal.SIGINT)
     except BaseException:
