@@ -99,24 +99,25 @@ class Loop:
         return self.control.request("status", timeout_s=5.0)
 
     def run(self, steps: int = STEPS) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Collect ``steps`` batches: the gateway's status half way (the worker connected)
-        and once everything is stored."""
+        """Collect ``steps`` batches: the gateway's status with the worker registered (taken
+        while collection is paused: a fast run could otherwise end, and the worker say
+        goodbye, between two looks) and once everything is stored."""
         self._thread(self.server.serve, stop=self.stop)
         self._thread(self.gateway.run, stop=self.stop)
         wait_for(lambda: self.gateway.source.replicas[0].up, timeout=time_left(), what="the server up")
+        self.control.request("pause", timeout_s=5.0)
         worker = threading.Thread(target=self.worker.run, kwargs={"max_steps": steps * N}, daemon=True)
         worker.start()
-        half = wait_for(
-            lambda: (s := self.status())["env_steps"] >= steps // 2 * N and s,
-            timeout=time_left(),
-            what="steps",
+        joined = wait_for(
+            lambda: (s := self.status())["workers"] and s, timeout=time_left(), what="the worker registered"
         )
+        self.control.request("resume", timeout_s=5.0)
         worker.join(timeout=time_left())
         assert not worker.is_alive(), "the worker did not finish its steps"
         self.control.request("pause", timeout_s=5.0)
         status = self.status()
         assert self.control.request("drain", timeout_s=20.0)["drained"]
-        return half, status
+        return joined, status
 
     def stored_steps(self) -> int:
         count = EpisodeStore(self.store, readonly=True).count()

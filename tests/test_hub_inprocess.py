@@ -271,3 +271,42 @@ def test_an_evaluation_round_runs_through_backpressure_that_holds_training_colle
             hub.stop()
         hub.gateway.close()
         ctx.destroy(linger=0)
+
+
+def test_a_round_that_ended_after_the_trainer_stopped_is_recorded_once(tmp_path):
+    """Under a small update budget the untrained policy's round can end after the trainer
+    stopped polling: the final evaluation records it as the trainer records rounds
+    (``updates`` null), once, so the run's records and learning curve have it."""
+    from gateway.control_client import ControlClient
+    from gateway.metrics import read_metrics
+    from gateway.worker import EnvWorker
+    from trainer.summary import record_unseen_round
+
+    ctx: zmq.Context[Any] = zmq.Context.instance()  # the control client's own context
+    hub = InProcessGateway(tmp_path, ctx)
+    backend = make_backend("counter", num_envs=2, seed=0)
+    worker = EnvWorker(backend, hub.gateway.addresses["workers"], uid="eval-w", context=ctx)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    control = ControlClient(hub.gateway.addresses["control"])
+    try:
+        hub.start()
+        thread.start()
+        wait_for(lambda: hub.gateway.state.env_steps >= 10, timeout=30, what="collection started")
+        assert control.request("evaluate", timeout_s=5.0, episodes=2)["started"]
+        wait_for(
+            lambda: control.request("status", timeout_s=5.0)["eval"]["rounds_done"] == 1,
+            timeout=30,
+            what="the evaluation round",
+        )
+        record_unseen_round(control, tmp_path)
+        record_unseen_round(control, tmp_path)  # already recorded: not twice
+        (record,) = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("service") == "trainer"]
+        assert record["updates"] is None and record["env_steps"] >= 10, record
+        assert record["eval"]["round"] == 1 and record["eval"]["episodes"] == 2, record
+    finally:
+        control.close()
+        worker.stop_event.set()
+        thread.join(timeout=30)
+        if hub._thread is not None and hub._thread.is_alive():
+            hub.stop()
+        hub.gateway.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import ExperimentConfig
-from gateway.metrics import read_metrics
+from gateway.metrics import MetricsWriter, read_metrics
 from gateway.protocol import RemoteError, Timeout
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ def final_evaluation(
         started = wait("the running evaluation round to end", start, timeout_s)
         if started is None:
             return skipped
+        record_unseen_round(control, run_dir)
         log.info("final evaluation: %d episodes with the deterministic policy", episodes)
 
         def finished() -> dict[str, Any] | None:
@@ -102,6 +103,27 @@ def final_evaluation(
     except (Timeout, RemoteError) as exc:
         log.error("final evaluation failed: %s", exc)
     return skipped
+
+
+def record_unseen_round(control: Any, run_dir: Path) -> None:
+    """The round that ended after the trainer stopped (an untrained policy's round under a
+    small update budget, say) goes into ``metrics.jsonl`` as the trainer records rounds,
+    with ``updates`` null, so the learning curve and the run's records have it too."""
+    status = control.request("status", timeout_s=5.0)
+    last = (status.get("eval") or {}).get("last")
+    seen = {
+        r["eval"]["round"]
+        for r in read_metrics(run_dir / "metrics.jsonl")
+        if r.get("service") == "trainer" and "eval" in r
+    }
+    if last is None or last["round"] in seen:
+        return
+    log.info("evaluation round %d ended after the trainer stopped; recording it", last["round"])
+    writer = MetricsWriter(run_dir / "metrics.jsonl", "trainer", serve=False)
+    try:
+        writer.emit({"eval": last, "updates": None, "env_steps": status.get("env_steps")})
+    finally:
+        writer.close()
 
 
 def _rate(value: float | None) -> float:
