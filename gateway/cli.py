@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("gateway.hub.__main__:main", "run the gateway process"),
     "worker": ("gateway.worker.cli:main", "run an env worker (a batch of envs of one backend)"),
     "inference": (
-        "inference.server:main",
+        "inference.__main__:main",
         "run an inference server (batched policy, hot-swapped weights)",
     ),
     "train": ("trainer.__main__:main", "run the FSDP trainer (also: torchrun -m trainer)"),
