@@ -27,7 +27,7 @@ LAUNCH_FILES = sorted((REPO / "launch").glob("*.launch.py"))
 PACKAGE_MAINS = {
     "gateway.hub": "gateway.hub.__main__",
     "gateway.worker": "gateway.worker.cli",
-    "inference": "inference.server",
+    "inference": "inference.__main__",
     "trainer.replay": "trainer.replay.cli",
     "trainer": "trainer.__main__",
 }
@@ -82,7 +82,7 @@ def test_experiment_launch_starts_what_loopgate_up_starts(tmp_path: Path) -> Non
     procs = module.processes(values)
     started = {p.name: check_process(p.argv) for p in procs}
     assert started["gateway"] == "gateway.hub.__main__" and started["worker-0"] == "gateway.worker.cli"
-    assert started["inference-0"] == "inference.server" and started["replay"] == "trainer.replay.cli"
+    assert started["inference-0"] == "inference.__main__" and started["replay"] == "trainer.replay.cli"
     assert started["trainer"] == "trainer.__main__"
     assert (tmp_path / "run" / "endpoints.json").is_file()  # the same run folder loopgate up prepares
     assert next(p for p in procs if p.name == "worker-0").respawn
