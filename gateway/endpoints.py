@@ -24,7 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,42 @@ def follow_all(endpoints: dict[str, Any], *parts: Any) -> list[str]:
     return moved
 
 
+ADDRESS = re.compile(r"^(tcp|http)://([^:/]+):(\d+)(.*)$")
+"""A TCP address (``tcp://host:port`` or a metrics ``http://host:port/metrics``): scheme,
+host, port and the rest."""
+
+
+def rewrite(
+    endpoints: dict[str, Any], service: str, change: Callable[[str, str, int], tuple[str, int]]
+) -> bool:
+    """Change the addresses ``service`` binds (the gateway's, the replay service's, an
+    ``inference-N``'s, and its metrics address): ``change(scheme, host, port)`` gives each
+    TCP address its new host and port. Whether any changed; other services bind nothing."""
+    slots: list[tuple[dict[str, Any], str]] = []
+    if service in ("gateway", "replay") and isinstance(endpoints.get(service), dict):
+        slots.extend((endpoints[service], key) for key in endpoints[service])
+    match = re.fullmatch(r"inference-(\d+)", service)
+    replicas = endpoints.get("inference", [])
+    if match and int(match.group(1)) < len(replicas) and isinstance(replicas[int(match.group(1))], dict):
+        entry = replicas[int(match.group(1))]
+        slots.extend((entry, key) for key in entry)
+    metrics = endpoints.get("metrics", {})
+    if isinstance(metrics, dict) and service in metrics:
+        slots.append((metrics, service))
+    changed = False
+    for entry, key in slots:
+        value = entry[key]
+        parts = ADDRESS.match(value) if isinstance(value, str) else None  # not e.g. a slot's flag
+        if parts is None:
+            continue
+        scheme, host, port, rest = parts.groups()
+        new_host, new_port = change(scheme, host, int(port))
+        new = f"{scheme}://{new_host}:{new_port}{rest}"
+        changed |= new != value
+        entry[key] = new
+    return changed
+
+
 class EndpointsFollower:
     """Reads a run's ``endpoints.json`` again now and then; hands back what changed."""
 
@@ -128,4 +166,13 @@ class EndpointsFollower:
         return data
 
 
-__all__ = ["FOLLOW_INTERVAL_S", "EndpointsFollower", "follow_all", "lookup", "read", "write"]
+__all__ = [
+    "ADDRESS",
+    "FOLLOW_INTERVAL_S",
+    "EndpointsFollower",
+    "follow_all",
+    "lookup",
+    "read",
+    "rewrite",
+    "write",
+]

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gateway.config import ExperimentConfig
+from gateway.endpoints import rewrite
+from gateway.endpoints import write as write_endpoints
 from gateway.transport import endpoint
 
 
@@ -64,19 +68,93 @@ class RunContext:
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
 
+PLANNED_PORTS = (20000, 32768)
+"""Where a planned port is drawn from: below Linux's default ephemeral range (32768-60999),
+out of which the OS gives every outgoing connection its local port. A port planned from
+that range can be taken between planning and binding by any process's connection (a Ray
+worker's, a browser's) and stay taken for as long as that connection lives; above Ray's
+worker ports (10002-19999)."""
+
+
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The OS's ephemeral port range (Linux's default where it cannot be read)."""
+    try:
+        low, high = (int(x) for x in Path(path).read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def planned_pool(ephemeral: tuple[int, int] | None = None) -> range | None:
+    """The ports :func:`free_port` draws from: :data:`PLANNED_PORTS` less the ephemeral range
+    (``None`` where that leaves too few, e.g. an ephemeral range widened to 1024-65535)."""
+    low, high = PLANNED_PORTS
+    e_low, e_high = ephemeral or ephemeral_ports()
+    if e_low >= high or e_high < low:
+        return range(low, high)
+    below, above = range(low, max(low, e_low)), range(min(e_high + 1, high), high)
+    pool = below if len(below) >= len(above) else above
+    return pool if len(pool) >= 1024 else None
+
+
+def bindable(host: str, port: int, reuse: bool = False) -> bool:
+    """Whether a TCP listener could bind ``host:port`` now (``reuse``: as ZeroMQ and
+    Python's HTTP server do, with ``SO_REUSEADDR``, past connections still in TIME_WAIT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free now (the OS picks it), never one this process handed out
-    before: the port is only bound later by the service it is for, and meanwhile the OS
-    may offer it again (one run planned the same port for two services)."""
+    """A TCP port that is free now, never one this process handed out before: the port is
+    only bound later by the service it is for, and meanwhile the OS may offer it again (one
+    run planned the same port for two services). Drawn from :func:`planned_pool`, out of
+    the OS's ephemeral range, where no outgoing connection can take it meanwhile."""
+    pool = planned_pool()
     with _handed_out_lock:
-        while True:
+        for _ in range(256 if pool is not None else 0):
+            port = random.choice(pool)  # type: ignore[arg-type]
+            if port not in _handed_out and bindable(host, port):
+                _handed_out.add(port)
+                return port
+        while True:  # no pool, or it is full: the OS picks
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind((host, 0))
                 port = int(s.getsockname()[1])
             if port not in _handed_out:
                 _handed_out.add(port)
                 return port
+
+
+def planned(port: int) -> bool:
+    """Whether this process planned ``port`` (:func:`free_port`), rather than a config naming it."""
+    with _handed_out_lock:
+        return port in _handed_out
+
+
+def replan_taken(run: RunContext, service: str, here: Callable[[str], bool] = lambda host: True) -> list[str]:
+    """Before ``service`` (re)starts: give each address it binds on a port this process
+    planned, and that another process has taken meanwhile, a new free port, and write
+    ``endpoints.json`` (its running peers follow the file, :mod:`gateway.endpoints`). Only
+    hosts ``here(host)`` says are this machine's are looked at; a port a config names is
+    never moved (binding it then fails with a clear error). The moves, as ``old -> new``."""
+    moves: list[str] = []
+
+    def change(scheme: str, host: str, port: int) -> tuple[str, int]:
+        if ":" in host or not here(host) or not planned(port) or bindable(host, port, reuse=True):
+            return host, port
+        new = free_port(host)
+        moves.append(f"{scheme}://{host}:{port} -> :{new}")
+        return host, new
+
+    if rewrite(run.endpoints, service, change):
+        write_endpoints(run.run_dir / "endpoints.json", run.endpoints)
+    return moves
 
 
 def address(cfg: ExperimentConfig, run: RunContext, name: str, port: int) -> str:

@@ -51,10 +51,10 @@ from gateway.registry import (
     SUMMARY_HOOKS,
     resolve,
 )
-from gateway.services import RunContext, Service, free_port
+from gateway.services import RunContext, Service, free_port, replan_taken
 from gateway.store import EpisodeStore
 from gateway.trajectory import StoreCount
-from gateway.transport import CurveKeys
+from gateway.transport import CurveKeys, is_loopback
 from gateway.venvs import check_interpreter, foreign_spec
 
 log = logging.getLogger("loopgate.up")
@@ -113,6 +113,10 @@ class Supervisor:
 
     def start(self, proc: Proc) -> None:
         s = proc.service
+        # Another process may have taken a port planned for this one (a busy machine):
+        # it binds a new one. Under a launcher, only this machine's addresses are known.
+        for move in replan_taken(self.run, s.name, lambda host: self.launcher is None or is_loopback(host)):
+            log.warning("%s: its planned port was taken by another process; it binds %s", s.name, move)
         if self.launcher is not None:
             extra = {**s.env, **lifeline.child_env(), "PYTHONUNBUFFERED": "1"}
             proc.popen = self.launcher.start(s, self.logs / f"{s.name}.log", extra, self.niceness(s.name))

@@ -436,3 +436,58 @@ def test_a_full_spool_disk_holds_an_inference_driven_run_and_loses_nothing(tmp_p
         assert summary["acked_steps"] > held["acked_steps"], summary
     finally:
         subprocess.run(["umount", "-l", str(spool)], capture_output=True)
+
+
+@pytest.mark.e2e
+def test_a_restarted_service_whose_port_another_process_took_binds_another_and_peers_follow(tmp_path):
+    """The inference server is killed, and while it waits for its restart another process
+    (this test) binds the port it was planned on. The restart binds a new port, written
+    to ``endpoints.json``, and the gateway, already running, follows it there: collection
+    resumes on the same run and nothing acknowledged is lost."""
+    import socket
+
+    from gateway.services import bindable
+
+    run = tmp_path / "run"
+    proc = reach_run(
+        tmp_path,
+        run,
+        policy={"kind": "inference"},
+        inference={"enabled": True, "backend": "torch", "network": {"hidden_sizes": [16]}},
+    )
+    holder = socket.socket()
+    try:
+        control = gateway_control(run)
+        try:
+            wait_for(
+                lambda: status_or_nothing(control).get("env_steps", 0) >= 200, timeout=120, what="200 steps"
+            )
+            planned = json.loads((run / "endpoints.json").read_text())["inference"][0]["requests"]
+            port = int(planned.rsplit(":", 1)[1])
+            (server,) = [line for line in run_processes(run) if " -m inference " in line]
+            os.kill(int(server.split()[0]), signal.SIGKILL)
+            wait_for(lambda: bindable("127.0.0.1", port, reuse=True), timeout=10, what="its port freed")
+            holder.bind(("127.0.0.1", port))
+            holder.listen()
+
+            def moved() -> bool:
+                return json.loads((run / "endpoints.json").read_text())["inference"][0]["requests"] != planned
+
+            wait_for(moved, timeout=30, what="endpoints.json to name its new port")
+            before = status_or_nothing(control).get("acked_steps", 0)
+            wait_for(
+                lambda: status_or_nothing(control).get("acked_steps", 0) > before + 200,
+                timeout=90,
+                what="collection through the server at its new port",
+            )
+        finally:
+            control.close()
+    except BaseException:
+        proc.kill()
+        raise
+    finally:
+        holder.close()
+    out, _ = interrupted_with_nothing_lost(proc, run)
+    assert f"inference-0: its planned port was taken by another process; it binds {planned}" in out, out[
+        -3000:
+    ]

@@ -39,25 +39,76 @@ def test_freeze_heap_takes_startup_objects_out_of_collections_but_still_collects
 
 
 def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
-    """The OS may offer a port again once the probing socket is closed (one run planned
-    the same port for the replay and the inference control sockets). That offer cannot
-    be provoked on demand, so the OS's choices are replayed here: a port already handed
-    out is skipped, and the next one the OS offers is taken."""
+    """A port is free again once the probing socket is closed, so a later draw may hit it
+    (one run planned the same port for the replay and the inference control sockets). The
+    draws are replayed here: a port already handed out is skipped, the next draw is taken."""
+    from gateway import services
+
+    first = services.free_port()
+    pool = services.planned_pool()
+    assert pool is not None
+    other = next(p for p in pool if p != first and services.bindable("127.0.0.1", p))
+    draws = iter([first, first, other])
+    monkeypatch.setattr(services.random, "choice", lambda pool: next(draws))
+    assert services.free_port() == other
+    assert next(draws, None) is None  # it drew until the port was new
+
+
+def test_planned_ports_lie_outside_the_ephemeral_range_outgoing_connections_take():
+    """A planned port must not be one the OS may hand an outgoing connection before the
+    service binds it (a Ray worker's connection took an inference server's port for all its
+    restarts once)."""
+    from gateway import services
+
+    low, high = services.ephemeral_ports()
+    ports = [services.free_port() for _ in range(50)]
+    assert not [p for p in ports if low <= p <= high], (low, high, ports)
+    assert services.planned_pool((32768, 60999)) == range(20000, 32768)
+    assert services.planned_pool((15000, 25000)) == range(25001, 32768)
+    assert services.planned_pool((1024, 65535)) is None  # nowhere left: the OS picks
+    assert services.planned_pool((40000, 60999)) == range(20000, 32768)
+    assert services.ephemeral_ports("/nonexistent") == (32768, 60999)
+
+
+def test_a_planned_port_another_process_took_is_planned_again_and_written(tmp_path):
+    """Before a service starts, each address it binds on a port planned by this process
+    and taken meanwhile gets a new port in ``endpoints.json``; a port the config names
+    stays (binding it then fails with the OS's error, naming the address)."""
+    import json
     import socket
 
     from gateway import services
 
-    first = services.free_port()
-    offers = iter([first, first, first + 1 if first < 65535 else first - 1])
-    real_socket = socket.socket
-
-    class Offering(real_socket):
-        def getsockname(self):  # type: ignore[no-untyped-def]
-            return ("127.0.0.1", next(offers))
-
-    monkeypatch.setattr(services.socket, "socket", Offering)
-    assert services.free_port() != first
-    assert next(offers, None) is None  # it asked the OS until the port was new
+    taken_port, named_port = services.free_port(), services.free_port()
+    services._handed_out.discard(named_port)  # as if a config had named it
+    endpoints = {
+        "inference": [
+            {"requests": f"tcp://127.0.0.1:{taken_port}", "control": f"tcp://127.0.0.1:{named_port}"}
+        ],
+        "metrics": {"inference-0": f"http://127.0.0.1:{services.free_port()}/metrics"},
+    }
+    run = services.RunContext(tmp_path, tmp_path / "config.yaml", json.loads(json.dumps(endpoints)))
+    holders = []
+    for port in (taken_port, named_port):
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        holders.append(holder)
+    try:
+        assert services.replan_taken(run, "worker-0") == []  # binds nothing
+        moves = services.replan_taken(run, "inference-0")
+        assert len(moves) == 1 and str(taken_port) in moves[0], moves
+        written = json.loads((tmp_path / "endpoints.json").read_text())
+        assert written == run.endpoints
+        new = written["inference"][0]["requests"]
+        assert new != endpoints["inference"][0]["requests"] and new.startswith("tcp://127.0.0.1:")
+        assert services.bindable("127.0.0.1", int(new.rsplit(":", 1)[1]))
+        assert written["inference"][0]["control"] == endpoints["inference"][0]["control"]
+        assert written["metrics"] == endpoints["metrics"]  # still free: unchanged
+        assert services.replan_taken(run, "inference-0", here=lambda host: False) == []
+    finally:
+        for holder in holders:
+            holder.close()
 
 
 def test_a_run_nice_that_raises_a_priority_without_the_right_is_a_config_error(tmp_path, monkeypatch):

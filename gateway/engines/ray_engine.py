@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 from pathlib import Path
 from typing import Any
 
 from gateway.config import ConfigError, ExperimentConfig, Placement
+from gateway.endpoints import rewrite
 from gateway.endpoints import write as write_endpoints
 
 log = logging.getLogger("loopgate.ray")
@@ -60,7 +60,6 @@ FORWARDED_ENV = (
 environment is the base)."""
 PROBE_TIMEOUT_S = 10.0
 """How long ``loopgate up`` tries to reach a cluster's GCS before it says there is none."""
-_HOST = re.compile(r"^(tcp|http)://([^:/]+):(\d+)(.*)$")
 
 
 def _is_loopback(host: str) -> bool:
@@ -204,31 +203,7 @@ def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 def rehost(endpoints: dict[str, Any], service: str, ip: str) -> bool:
     """Point ``service``'s addresses in ``endpoints`` at ``ip``; whether any changed."""
-    entries: list[Any] = []
-    if service in ("gateway", "replay") and isinstance(endpoints.get(service), dict):
-        entries.append(endpoints[service])
-    match = re.fullmatch(r"inference-(\d+)", service)
-    if match and int(match.group(1)) < len(endpoints.get("inference", [])):
-        entries.append(endpoints["inference"][int(match.group(1))])
-    changed = False
-    for entry in entries:
-        for key, value in entry.items():
-            if not isinstance(value, str):
-                continue  # e.g. an autoscaling slot's flag
-            new = _with_host(value, ip)
-            changed |= new != value
-            entry[key] = new
-    metrics = endpoints.get("metrics", {})
-    if service in metrics:
-        new = _with_host(metrics[service], ip)
-        changed |= new != metrics[service]
-        metrics[service] = new
-    return changed
-
-
-def _with_host(address: str, ip: str) -> str:
-    match = _HOST.match(address)
-    return f"{match.group(1)}://{ip}:{match.group(3)}{match.group(4)}" if match else address
+    return rewrite(endpoints, service, lambda scheme, host, port: (ip, port))
 
 
 class RayLauncher:
