@@ -191,6 +191,30 @@ def test_publication_waits_for_the_untrained_policys_evaluation(tmp_path):
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
 
 
+def test_a_budget_spent_during_the_untrained_round_publishes_only_after_it(tmp_path):
+    """Ten updates take far less than the untrained round's long episodes: the trainer
+    stops while that round runs. Its last publication waits for the round to end, so that
+    no episode of it acts with the trained weights (the learning curve's first point stays
+    the untrained policy's), and the round is recorded with the updates done."""
+    run = tmp_path / "run"
+    path = config(tmp_path, max_updates=10, eval_every=0, final_eval_episodes=0)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["env"]["options"] = {"max_episode_steps": 400}
+    cfg["replay"]["tables"][0]["min_size_to_sample"] = 64
+    cfg["trainer"]["eval_every"] = 10_000  # only the untrained round
+    cfg["trainer"]["eval_episodes"] = 4
+    cfg["trainer"]["target_success_rate"] = None
+    path.write_text(yaml.safe_dump(cfg))
+    out, summary = finish(up(path, run), run)
+    rounds = trainer_records(run, "eval")
+    assert len(rounds) == 1 and rounds[0]["eval"]["policy_version"] <= 1, rounds
+    assert rounds[0]["updates"] == 10, rounds
+    assert summary["policy_version"] == 2  # the untrained version, then the last one
+    trainer_log = (run / "logs" / "trainer.log").read_text()
+    assert "waiting for the untrained policy's evaluation round to end" in trainer_log
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
+
+
 def test_an_inference_server_that_misses_publications_catches_up(tmp_path):
     run = tmp_path / "run"
     path = config(tmp_path, max_updates=160, eval_every=0, final_eval_episodes=0)

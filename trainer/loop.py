@@ -124,6 +124,8 @@ class Trainer:
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl" if world.is_main else None, "trainer")
         self.gpu = for_device(str(world.device)) if world.is_main else None
         self.stop_requested = False
+        self.signalled = False
+        """A SIGTERM or SIGINT asked it to stop: nothing more is waited for."""
         self.stop_reason = ""
         self._last_eval_round = 0
         self._start = (time.monotonic(), 0, 0.0, 0.0, 0)
@@ -219,6 +221,26 @@ class Trainer:
             return False
         self._hold_over = not from_rank0(self.world, self._held_round is not None)
         return not self._hold_over
+
+    def await_untrained_round(self) -> None:
+        """Before the last publication: a run that ends (its update or step budget) while
+        the untrained policy's evaluation still runs lets that round end first, so that none
+        of its episodes act with the trained weights (up to ``UNTRAINED_EVAL_HOLD_S`` from
+        its start). A signal ends the wait at once."""
+        logged = False
+        while True:
+            if self.world.is_main and self.signalled:
+                self._held_round = None
+            if not self.publication_held():
+                return
+            if self.world.is_main:
+                if not logged:
+                    log.info(
+                        "waiting for the untrained policy's evaluation round to end before the last publication"
+                    )
+                    logged = True
+                self.poll_gateway()
+            time.sleep(0.2)
 
     def evaluate_if_due(self) -> None:
         if self.control is None or not self.tc.eval_every or self.c.updates % self.tc.eval_every:
@@ -349,6 +371,7 @@ class Trainer:
                 raise
             log.info("stopping while waiting for data (%s)", exc)
         log.info("trainer stopping: %s", self.stop_reason or "asked to")
+        self.await_untrained_round()
         self.poll_gateway()  # an evaluation round that ended since the last look is recorded too
         self.publish()
         checkpoint.save(self.algo, self.ckpt_dir, self.c.saved(), is_main=self.world.is_main)
@@ -549,6 +572,7 @@ def stop_on_signals(trainer: Trainer) -> Iterator[None]:
     """
 
     def _stop(signum: int, frame: Any) -> None:
+        trainer.signalled = True
         trainer.request_stop(f"signal {signum}")
 
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
