@@ -205,7 +205,7 @@ def test_a_budget_spent_during_the_untrained_round_publishes_only_after_it(tmp_p
     cfg["trainer"]["eval_episodes"] = 4
     cfg["trainer"]["target_success_rate"] = None
     path.write_text(yaml.safe_dump(cfg))
-    out, summary = finish(up(path, run), run)
+    _, summary = finish(up(path, run), run)
     rounds = trainer_records(run, "eval")
     assert len(rounds) == 1 and rounds[0]["eval"]["policy_version"] <= 1, rounds
     assert rounds[0]["updates"] == 10, rounds
