@@ -61,6 +61,9 @@ log = logging.getLogger("loopgate.up")
 
 EXIT_CONFIG = 2
 
+LATE_GROUP_S = 2.0
+"""How long a group of services reached after the stop's deadline gets to end on SIGTERM."""
+
 
 _EXCEPTION = re.compile(
     r"^[A-Za-z_][\w.]*(Error|Exception|Unavailable|Disconnected|Timeout|Interrupt|Exit)\b.*"
@@ -249,26 +252,32 @@ class Supervisor:
         return " | ".join(text[-lines:])
 
     def stop(self, names: list[str] | None = None, timeout_s: float = 10.0) -> None:
-        """SIGTERM in reverse start order, then SIGKILL what is left after ``timeout_s``."""
+        """SIGTERM in reverse start order, one ``order`` group after the other (the trainer
+        ends while the replay service and the inference servers it talks to still run),
+        then SIGKILL what is left of a group after ``timeout_s`` in all (a group reached
+        after that gets up to :data:`LATE_GROUP_S`)."""
         procs = [p for p in reversed(list(self.procs.values())) if names is None or p.service.name in names]
-        for proc in procs:
-            if proc.popen is not None and proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-            if proc.state in ("running", "backoff"):
-                proc.state = "stopping"
         deadline = time.monotonic() + timeout_s
-        for proc in procs:
-            if proc.popen is None:
-                continue
-            try:
-                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in time; killing it", proc.service.name)
-                proc.popen.kill()
-                proc.popen.wait()
-            # Whatever it left in its session (torchrun's ranks) goes with it.
-            self.end_session(proc)
-            proc.state = "stopped" if proc.state == "stopping" else proc.state
+        for order in sorted({p.service.order for p in procs}, reverse=True):
+            group = [p for p in procs if p.service.order == order]
+            for proc in group:
+                if proc.popen is not None and proc.popen.poll() is None:
+                    proc.popen.send_signal(signal.SIGTERM)
+                if proc.state in ("running", "backoff"):
+                    proc.state = "stopping"
+            group_deadline = max(deadline, time.monotonic() + min(LATE_GROUP_S, timeout_s))
+            for proc in group:
+                if proc.popen is None:
+                    continue
+                try:
+                    proc.popen.wait(timeout=max(0.1, group_deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in time; killing it", proc.service.name)
+                    proc.popen.kill()
+                    proc.popen.wait()
+                # Whatever it left in its session (torchrun's ranks) goes with it.
+                self.end_session(proc)
+                proc.state = "stopped" if proc.state == "stopping" else proc.state
 
     def end_session(self, proc: Proc) -> None:
         """SIGKILL what is left of a process's session (its actor too, under a launcher)."""

@@ -297,6 +297,12 @@ def test_the_first_sigint_stops_a_training_run_gracefully_and_writes_the_summary
     out, summary = ended(proc, run)
     assert proc.returncode == 130 and summary["outcome"] == "interrupted", out[-3000:]
     assert "stopping gracefully" in out
+    # Every service ended on its SIGTERM: the trainer's ranks stopped together (while the
+    # replay service and the inference servers still ran) and saved their last checkpoint.
+    assert "did not stop in time" not in out, out[-3000:]
+    trainer_log = (run / "logs" / "trainer.log").read_text()
+    assert trainer_log.count("trainer stopping: signal") == 2, trainer_log[-3000:]
+    assert "saved" in trainer_log.rsplit("trainer stopping: signal", 1)[1], trainer_log[-3000:]
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
     assert summary["stored_steps"] == summary["acked_steps"] > 0
     assert not run_processes(run)

@@ -159,11 +159,12 @@ class Trainer:
                 if time.monotonic() - warned >= 30.0:
                     log.info("waiting for replay data (%.0f s so far): %s", time.monotonic() - started, exc)
                     warned = time.monotonic()
-                if self.stop_requested:
-                    raise
-                if self.collection_over():
+                if self.stop_requested or self.collection_over():
                     if not released:
-                        # No more steps will come: the ratio must not hold back what is there.
+                        # No more steps will come, or none are waited for: the ratio must not
+                        # hold back what is there. A rank that stopped here alone would leave
+                        # the others in the update's collectives; with the tables released,
+                        # every rank samples on to the next stop check they take together.
                         self.release_replay(any_rank=True)
                         released = True
                         continue
