@@ -118,10 +118,13 @@ def test_robot_killed_mid_episode_is_interrupted_and_picked_up_when_it_returns(
     wait_for(endpoints.exists, what="endpoints.json")
     control = ControlClient(json.loads(endpoints.read_text())["gateway"]["control"])
     try:
-        # Another robot on the same gateway, in a worker of its own.
+        # Another robot on the same gateway, in a worker of its own, which nothing here
+        # restarts: its robot is given the usual time before it counts as lost (a busy
+        # machine can hold an emulator's messages back past /a's one second).
         other = procs.spawn(
             "-m", "gateway.worker", "--config", str(run_dir / "config.yaml"), "--endpoints", str(endpoints),
-            "--index", "1", "--option", "namespaces=[/b]", name="worker-b",
+            "--index", "1", "--option", "namespaces=[/b]", "--option", "lost_timeout_s=10.0",
+            name="worker-b",
         )  # fmt: skip
 
         def by_worker() -> dict[str, int]:
