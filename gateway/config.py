@@ -219,7 +219,8 @@ class RunConfig:
     cores from the rest; env workers, which a fast simulator keeps stepping, stay at
     normal priority (``run.nice`` raises them). Taken where the system allows it
     (``CAP_SYS_NICE``, or an ``rtprio`` limit in ``/etc/security/limits.conf`` as
-    real-time ROS 2 setups have); elsewhere logged once and left at normal priority. 0: off."""
+    real-time ROS 2 setups have); elsewhere logged once and left at normal priority.
+    ZeroMQ's I/O threads run one above it, so a sent message leaves at once. 0: off."""
     engine: Literal["local", "ray"] = "local"
     """Who starts and watches the services: ``local`` (child processes of ``loopgate up``) or
     ``ray`` (one Ray actor per service on a Ray cluster; ``loopgate up --ray ADDRESS``)."""

@@ -102,8 +102,8 @@ def zmq_io_threads() -> list[int]:
 
 def go_realtime(priority: int, what: str, *, every_thread: bool = False) -> bool:
     """Run the calling thread and this process's ZeroMQ I/O threads (``every_thread``: every
-    thread of the process) at ``SCHED_FIFO`` ``priority``; whether it took (``0``: leave
-    them as they are). Threads started later inherit the priority of the thread that
+    thread of the process) at ``SCHED_FIFO`` ``priority``, the I/O threads one above it
+    (where allowed); whether it took (``0``: leave them as they are). Threads started later inherit the priority of the thread that
     starts them, a context's I/O thread included (it starts with the context's first
     socket). Where real-time scheduling is not allowed this logs once what would allow it
     and changes nothing."""
@@ -120,12 +120,18 @@ def go_realtime(priority: int, what: str, *, every_thread: bool = False) -> bool
         )
         return False
     param = os.sched_param(priority)
-    others = [int(t) for t in os.listdir("/proc/self/task")] if every_thread else zmq_io_threads()
+    io_threads = zmq_io_threads()
+    others = [int(t) for t in os.listdir("/proc/self/task")] if every_thread else io_threads
+    # One step above the rest: a message handed to ZeroMQ leaves at once, while the thread
+    # that sent it keeps the core for what it does next (the gateway's bookkeeping after
+    # an ACTION); at the same priority the send would wait for that thread to block.
+    io_priority = min(priority + 1, os.sched_get_priority_max(os.SCHED_FIFO))
+    io_param = os.sched_param(io_priority if may_use_realtime(io_priority) else priority)
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, param)
         for tid in others:
             with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                os.sched_setscheduler(tid, os.SCHED_FIFO, param)
+                os.sched_setscheduler(tid, os.SCHED_FIFO, io_param if tid in io_threads else param)
     except OSError as exc:  # a container's seccomp or cgroup may refuse what the limits allow
         log.warning("%s: real-time priority %d refused (%s); it runs at normal priority", what, priority, exc)
         return False

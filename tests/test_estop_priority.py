@@ -44,6 +44,21 @@ def realtime_threads(pid: int) -> set[int]:
     return found
 
 
+def thread_priorities(pid: int) -> dict[str, int]:
+    """The real-time priorities of process ``pid``'s ZeroMQ I/O threads, by name, and of
+    its other threads (``other``, when they all share one)."""
+    found: dict[str, set[int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            found.setdefault(name if name.startswith("ZMQbg/IO") else "other", set()).add(
+                os.sched_getparam(int(tid)).sched_priority
+            )
+        except OSError:  # the thread ended meanwhile
+            continue
+    return {name: next(iter(p)) if len(p) == 1 else -1 for name, p in found.items()}
+
+
 def pid_of(pattern: str, run: Path) -> int:
     found = subprocess.run(["pgrep", "-f", f"{pattern}.*{run}"], capture_output=True, text=True)
     pids = [int(p) for p in found.stdout.split()]
@@ -90,6 +105,9 @@ def test_the_gateway_its_policy_and_the_consoles_estop_path_run_at_real_time_pri
 
             wait_for(lambda: every_thread(gateway), what="every thread of the gateway")
             wait_for(lambda: every_thread(inference), what="every thread of the inference server")
+            # ZeroMQ's I/O threads one step above: a sent ACTION leaves while the loop goes on.
+            for pid in (gateway, inference):
+                assert thread_priorities(pid) == {"ZMQbg/IO/0": priority + 1, "other": priority}, pid
             # The event loop is the console's main thread; its I/O threads follow it.
             wait_for(lambda: console in realtime_threads(console), what="the console's event loop")
             assert len(realtime_threads(console)) >= 2
