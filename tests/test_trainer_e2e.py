@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -167,6 +168,20 @@ def test_trainer_killed_mid_run_resumes_and_versions_never_go_backwards(tmp_path
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
 
 
+def untrained_round_run(tmp_path: Path, episode_steps: int, **trainer: Any) -> Path:
+    """A training config whose only evaluation is the untrained policy's round, of four
+    episodes of up to ``episode_steps`` steps, with training starting after 64 steps."""
+    path = config(tmp_path, eval_every=0, final_eval_episodes=0, **trainer)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["env"]["options"] = {"max_episode_steps": episode_steps}
+    cfg["replay"]["tables"][0]["min_size_to_sample"] = 64
+    cfg["trainer"]["eval_every"] = 10_000  # only the untrained round
+    cfg["trainer"]["eval_episodes"] = 4
+    cfg["trainer"]["target_success_rate"] = None
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
 def test_publication_waits_for_the_untrained_policys_evaluation(tmp_path):
     """Long evaluation episodes and a publication per update: without the hold, version 2
     would act in the untrained round within the first few updates. The round (an episode
@@ -174,14 +189,7 @@ def test_publication_waits_for_the_untrained_policys_evaluation(tmp_path):
     within the update budget however fast the trainer runs (its end is recorded only
     while the trainer runs)."""
     run = tmp_path / "run"
-    path = config(tmp_path, max_updates=800, publish_every=1, eval_every=0, final_eval_episodes=0)
-    cfg = yaml.safe_load(path.read_text())
-    cfg["env"]["options"] = {"max_episode_steps": 200}
-    cfg["replay"]["tables"][0]["min_size_to_sample"] = 64
-    cfg["trainer"]["eval_every"] = 10_000  # only the untrained round
-    cfg["trainer"]["eval_episodes"] = 4
-    cfg["trainer"]["target_success_rate"] = None
-    path.write_text(yaml.safe_dump(cfg))
+    path = untrained_round_run(tmp_path, 200, max_updates=800, publish_every=1)
     _, summary = finish(up(path, run), run)
     rounds = trainer_records(run, "eval")
     assert rounds and rounds[0]["eval"]["policy_version"] <= 1, rounds
@@ -197,14 +205,7 @@ def test_a_budget_spent_during_the_untrained_round_publishes_only_after_it(tmp_p
     no episode of it acts with the trained weights (the learning curve's first point stays
     the untrained policy's), and the round is recorded with the updates done."""
     run = tmp_path / "run"
-    path = config(tmp_path, max_updates=10, eval_every=0, final_eval_episodes=0)
-    cfg = yaml.safe_load(path.read_text())
-    cfg["env"]["options"] = {"max_episode_steps": 400}
-    cfg["replay"]["tables"][0]["min_size_to_sample"] = 64
-    cfg["trainer"]["eval_every"] = 10_000  # only the untrained round
-    cfg["trainer"]["eval_episodes"] = 4
-    cfg["trainer"]["target_success_rate"] = None
-    path.write_text(yaml.safe_dump(cfg))
+    path = untrained_round_run(tmp_path, 400, max_updates=10)
     _, summary = finish(up(path, run), run)
     rounds = trainer_records(run, "eval")
     assert len(rounds) == 1 and rounds[0]["eval"]["policy_version"] <= 1, rounds
