@@ -67,6 +67,9 @@ class RunContext:
 
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
+_draw = random.Random()
+"""Seeded from the OS, not from ``random``'s shared state, which a script may have seeded:
+two runs of scripts seeded alike must not draw the same ports."""
 
 PLANNED_PORTS = (20000, 32768)
 """Where a planned port is drawn from: below Linux's default ephemeral range (32768-60999),
@@ -118,7 +121,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     pool = planned_pool()
     with _handed_out_lock:
         for _ in range(256 if pool is not None else 0):
-            port = random.choice(pool)  # type: ignore[arg-type]
+            port = _draw.choice(pool)  # type: ignore[arg-type]
             if port not in _handed_out and bindable(host, port):
                 _handed_out.add(port)
                 return port

@@ -49,7 +49,7 @@ def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
     assert pool is not None
     other = next(p for p in pool if p != first and services.bindable("127.0.0.1", p))
     draws = iter([first, first, other])
-    monkeypatch.setattr(services.random, "choice", lambda pool: next(draws))
+    monkeypatch.setattr(services._draw, "choice", lambda pool: next(draws))
     assert services.free_port() == other
     assert next(draws, None) is None  # it drew until the port was new
 
