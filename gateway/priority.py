@@ -103,10 +103,10 @@ def zmq_io_threads() -> list[int]:
 def go_realtime(priority: int, what: str, *, every_thread: bool = False) -> bool:
     """Run the calling thread and this process's ZeroMQ I/O threads (``every_thread``: every
     thread of the process) at ``SCHED_FIFO`` ``priority``, the I/O threads one above it
-    (where allowed); whether it took (``0``: leave them as they are). Threads started later inherit the priority of the thread that
-    starts them, a context's I/O thread included (it starts with the context's first
-    socket). Where real-time scheduling is not allowed this logs once what would allow it
-    and changes nothing."""
+    (where allowed); whether it took (``0``: leave them as they are). Threads started
+    later inherit the priority of the thread that starts them, a context's I/O thread
+    included (it starts with the context's first socket). Where real-time scheduling is
+    not allowed this logs once what would allow it and changes nothing."""
     if priority <= 0:
         return False
     if not may_use_realtime(priority):
