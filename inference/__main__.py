@@ -21,6 +21,8 @@ import zmq
 
 from gateway import lifeline
 from gateway.config import ConfigError
+from gateway.endpoints import read as read_endpoints
+from gateway.endpoints import write as write_endpoints
 from gateway.episode import EnvSpec
 from gateway.metrics import MetricsWriter
 from gateway.priority import go_realtime
@@ -76,7 +78,7 @@ def build_server(args: argparse.Namespace) -> InferenceServer:
         raise ConfigError("inference.network does not fit the env spec: " + "; ".join(problems))
     icfg.check_weights_file()
     endpoints_path = Path(args.endpoints) if args.endpoints else run_dir / "endpoints.json"
-    endpoints: dict[str, Any] = json.loads(endpoints_path.read_text()) if endpoints_path.exists() else {}
+    endpoints: dict[str, Any] = read_endpoints(endpoints_path)
     planned = endpoints.get("inference") or []
     addresses = (
         planned[args.index]
@@ -95,11 +97,11 @@ def build_server(args: argparse.Namespace) -> InferenceServer:
         realtime_priority=cfg.run.realtime_priority,
     )
     if args.index >= len(planned):  # standalone: tell clients where this replica is
-        fresh = json.loads(endpoints_path.read_text()) if endpoints_path.exists() else {}
+        fresh = read_endpoints(endpoints_path)
         entries = fresh.setdefault("inference", [])
         entries.extend({} for _ in range(args.index + 1 - len(entries)))
         entries[args.index] = server.addresses
-        endpoints_path.write_text(json.dumps(fresh, indent=2))
+        write_endpoints(endpoints_path, fresh)  # whole, never half-written, for its readers
     return server
 
 

@@ -38,6 +38,7 @@ from typing import Any
 from gateway.config import ConfigError, ExperimentConfig, Placement
 from gateway.endpoints import rewrite
 from gateway.endpoints import write as write_endpoints
+from gateway.transport import is_loopback
 
 log = logging.getLogger("loopgate.ray")
 
@@ -62,15 +63,11 @@ PROBE_TIMEOUT_S = 10.0
 """How long ``loopgate up`` tries to reach a cluster's GCS before it says there is none."""
 
 
-def _is_loopback(host: str) -> bool:
-    return host in {"127.0.0.1", "localhost", "::1"} or host.startswith("127.")
-
-
 def bind_host(gateway_host: str, node_ip: str) -> str:
     """The host a service placed on the node at ``node_ip`` binds: the node's IP, except
     that with ``gateway.host`` on loopback a node on a non-loopback IP (this machine's
     address: :func:`check_cluster` refused other machines) serves on ``gateway.host``."""
-    if _is_loopback(gateway_host) and not _is_loopback(node_ip):
+    if is_loopback(gateway_host) and not is_loopback(node_ip):
         return gateway_host
     return node_ip
 
@@ -141,10 +138,10 @@ def check_cluster(cfg: ExperimentConfig, nodes: list[dict[str, Any]], driver_ip:
     satisfy (a typo in a resource name would otherwise wait forever)."""
     if cfg.gateway.transport == "ipc" and len({n["NodeManagerAddress"] for n in nodes}) > 1:
         raise ConfigError("gateway.transport ipc works on one machine only; use tcp on a Ray cluster")
-    if _is_loopback(cfg.gateway.host):
+    if is_loopback(cfg.gateway.host):
         # Nodes at loopback IPs of their own (127.0.0.2, ...) are on this machine too.
         others = sorted(
-            ip for ip in {n["NodeManagerAddress"] for n in nodes} - {driver_ip} if not _is_loopback(ip)
+            ip for ip in {n["NodeManagerAddress"] for n in nodes} - {driver_ip} if not is_loopback(ip)
         )
         if others:
             raise ConfigError(
@@ -211,7 +208,7 @@ class RayLauncher:
 
     def __init__(self, cfg: ExperimentConfig, run: Any) -> None:
         self.cfg, self.run = cfg, run
-        self.rehost = not _is_loopback(cfg.gateway.host)
+        self.rehost = not is_loopback(cfg.gateway.host)
         """Whether a service's addresses are known only once Ray has placed it (on loopback
         they are planned; one that moves to a node of its own loopback IP is followed)."""
 
