@@ -255,6 +255,11 @@ def test_killing_the_supervisor_outright_leaves_no_process_of_its_run(tmp_path):
         proc.kill()  # SIGKILL: no handler runs, nothing is stopped in order
         proc.wait(timeout=10)
         wait_for(lambda: not run_processes(run), timeout=45, interval=0.5, what="every service to end")
+        # The replay service and the gateway went at once: the trainer's ranks must not wait
+        # out their usual sample and request timeouts for them (they did, for 24 s), so that
+        # torchrun never has to kill one when its 30 s shutdown limit runs out.
+        trainer_log = (run / "logs" / "trainer.log").read_text()
+        assert "forcefully exiting" not in trainer_log, trainer_log[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()

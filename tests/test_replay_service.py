@@ -26,7 +26,7 @@ from gateway.protocol import Message, MsgType, recv, send
 from gateway.trajectory import count_chunks
 from tests.conftest import Procs, log_of, loopgate, wait_for
 from tests.test_replay_tables import episode_chunks
-from trainer.replay.client import ReplayClient, SampleTimeout
+from trainer.replay.client import ReplayClient, ReplayUnavailable, SampleTimeout
 from trainer.replay.log import LOG_DIR, ReplayLog, read_log
 from trainer.replay.sink import ReplaySink
 
@@ -263,6 +263,29 @@ def test_sampling_an_empty_or_rate_limited_table_times_out_with_a_typed_error(se
     metrics = [json.loads(x) for x in (svc.run_dir / "metrics.jsonl").read_text().splitlines()]
     limiter = [m["tables"]["online"]["rate_limiter"] for m in metrics if m["service"] == "replay"]
     assert limiter and "can_sample" in limiter[-1]
+
+
+def test_a_wait_for_a_silent_service_ends_when_the_client_is_interrupted():
+    """A replay service that is gone or frozen (a ROUTER that takes requests and never
+    answers) and a trainer told to stop: the wait ends at the next check of
+    ``interrupted``, not after the request's 60 s timeout, and says why."""
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.linger = 0
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    checks: list[int] = []
+
+    def interrupted() -> bool:
+        checks.append(len(checks))
+        return len(checks) >= 3  # the third check: a signal came meanwhile
+
+    try:
+        with ReplayClient(f"tcp://127.0.0.1:{port}", prefetch=2, interrupted=interrupted) as client:
+            with pytest.raises(ReplayUnavailable, match="interrupted waiting for the replay service"):
+                client.sample(8, timeout_s=60.0)
+            assert len(checks) == 3
+            assert silent.poll(5000), "the request never reached the service"
+    finally:
+        silent.close()
 
 
 def test_sigkill_during_ingest_loses_no_acknowledged_step(service):

@@ -50,6 +50,11 @@ log = logging.getLogger(__name__)
 PUBLISHED = "published_version"
 """File under ``<run>/checkpoints`` with the newest version the trainer published."""
 
+STOPPING_TIMEOUT_S = 2.0
+"""Longest wait for a peer (a request, a sample slice) once a signal asked the trainer to
+stop: the supervisor stops the run, and a peer may already be gone (every service gets
+its SIGTERM at once when ``loopgate up`` itself died), so the usual timeouts would keep
+the ranks past torchrun's own shutdown limit."""
 UNTRAINED_EVAL_HOLD_S = 120.0
 """Longest the trainer holds back publication for the untrained policy's evaluation round."""
 
@@ -98,7 +103,9 @@ class Trainer:
             )
         from trainer.replay.client import ReplayClient
 
-        self.replay = ReplayClient(endpoints["replay"]["sample"], prefetch=self.tc.prefetch)
+        self.replay = ReplayClient(
+            endpoints["replay"]["sample"], prefetch=self.tc.prefetch, interrupted=self._take_signal
+        )
         self.follower = EndpointsFollower(run_dir / "endpoints.json")
         """The run's addresses, followed: a peer restarted on another node is dialled there."""
         self.control: Any = None
@@ -126,6 +133,11 @@ class Trainer:
         self.stop_requested = False
         self.signalled = False
         """A SIGTERM or SIGINT asked it to stop: nothing more is waited for."""
+        self._signal_unseen = False
+        """A signal came that no wait for replay data has ended for yet (:meth:`_take_signal`)."""
+        self._last_batch: dict[str, torch.Tensor] = {}
+        self._replay_gone: dict[str, torch.Tensor] | None = None
+        """The last batch, repeated once a stopping trainer found the replay service gone."""
         self.stop_reason = ""
         self._last_eval_round = 0
         self._start = (time.monotonic(), 0, 0.0, 0.0, 0)
@@ -141,9 +153,29 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
 
+    def on_signal(self, signum: int) -> None:
+        """SIGTERM or SIGINT: stop at the next check; a wait for replay data ends now."""
+        self.signalled = True
+        self._signal_unseen = True
+        if self.publisher is not None:
+            self.publisher.request_timeout_s = STOPPING_TIMEOUT_S
+        self.request_stop(f"signal {signum}")
+
+    def _take_signal(self) -> bool:
+        """Once per signal: whether a wait for replay data should end now. The stop path of
+        :meth:`batch` then takes over (release the rate limits, sample on with short waits)."""
+        seen, self._signal_unseen = self._signal_unseen, False
+        return seen
+
+    def peer_timeout_s(self, usual: float) -> float:
+        """``usual``, or :data:`STOPPING_TIMEOUT_S` at most once a signal asked for a stop."""
+        return min(usual, STOPPING_TIMEOUT_S) if self.signalled else usual
+
     def batch(self) -> dict[str, torch.Tensor]:
         from trainer.replay.client import ReplayUnavailable, SampleTimeout
 
+        if self._replay_gone is not None:
+            return self._replay_gone
         per_rank = self.tc.batch_size // self.world.size
         started = time.monotonic()
         warned, released = 0.0, False
@@ -151,9 +183,8 @@ class Trainer:
             self.follow_endpoints()
             try:
                 # Short slices, so that a wait for data that will never come is noticed.
-                arrays = self.replay.sample(
-                    per_rank, tables=dict(self.tc.tables), timeout_s=min(self.tc.sample_timeout_s, 5.0)
-                )
+                slice_s = self.peer_timeout_s(min(self.tc.sample_timeout_s, 5.0))
+                arrays = self.replay.sample(per_rank, tables=dict(self.tc.tables), timeout_s=slice_s)
                 break
             except (SampleTimeout, ReplayUnavailable) as exc:
                 if time.monotonic() - warned >= 30.0:
@@ -165,9 +196,17 @@ class Trainer:
                         # hold back what is there. A rank that stopped here alone would leave
                         # the others in the update's collectives; with the tables released,
                         # every rank samples on to the next stop check they take together.
-                        self.release_replay(any_rank=True)
+                        answered = self.release_replay(any_rank=True)
                         released = True
-                        continue
+                        if answered or not self.signalled:
+                            continue
+                    if self.signalled and isinstance(exc, ReplayUnavailable) and self._last_batch:
+                        # The replay service is gone (the whole run is stopping), while other
+                        # ranks may hold a batch and be inside the update's collectives: this
+                        # rank repeats its last batch until the stop check they take together.
+                        log.info("the replay service is gone; repeating the last batch until the ranks stop")
+                        self._replay_gone = self._last_batch
+                        return self._replay_gone
                     # Every rank sees the same tables, too small to sample, and stops here.
                     self.request_stop(
                         f"the run's env step budget is spent and the replay tables cannot serve a batch ({exc})"
@@ -181,6 +220,7 @@ class Trainer:
                 continue
             t = torch.from_numpy(np.ascontiguousarray(v))
             out[k] = t.pin_memory().to(self.world.device, non_blocking=True) if pin else t
+        self._last_batch = out
         return out
 
     def follow_endpoints(self) -> None:
@@ -246,6 +286,8 @@ class Trainer:
     def evaluate_if_due(self) -> None:
         if self.control is None or not self.tc.eval_every or self.c.updates % self.tc.eval_every:
             return
+        if self.signalled:
+            return  # the run is stopping: no new round (the gateway may be gone already)
         try:
             self.control.request("evaluate", timeout_s=5.0, episodes=self.tc.eval_episodes)
         except (Timeout, RemoteError) as exc:
@@ -256,7 +298,7 @@ class Trainer:
         if self.control is None:
             return
         try:
-            status = self.control.request("status", timeout_s=5.0)
+            status = self.control.request("status", timeout_s=self.peer_timeout_s(5.0))
         except (Timeout, RemoteError):
             return
         self._budget_reached = bool(status.get("budget_reached"))
@@ -364,7 +406,8 @@ class Trainer:
                     self.update()
                 now = time.monotonic()
                 if now - last_report >= 1.0:
-                    self.poll_gateway()
+                    if not self.signalled:  # stopping: asked once more after the loop
+                        self.poll_gateway()
                     self.report()
                     last_report = now
         except (Timeout, RemoteError) as exc:
@@ -418,18 +461,20 @@ class Trainer:
         budget_spent = bool(status.get("budget_reached")) and self.tc.mode != "sync"
         return budget_spent or bool(status.get("draining"))
 
-    def release_replay(self, any_rank: bool = False) -> None:
+    def release_replay(self, any_rank: bool = False) -> bool:
         """Nothing samples any more: collection (the final evaluation) must not wait for the
-        replay tables' update-to-data ratio."""
+        replay tables' update-to-data ratio. Whether the replay service answered."""
         if not (self.world.is_main or any_rank):
-            return
+            return True
         from gateway.control_client import ControlClient
 
         client = ControlClient(self.endpoints["replay"]["control"])
         try:
-            client.request("release_rate_limits", timeout_s=10.0)
+            client.request("release_rate_limits", timeout_s=self.peer_timeout_s(10.0))
+            return True
         except (Timeout, RemoteError) as exc:
             log.warning("could not release the replay rate limits: %s", exc)
+            return False
         finally:
             client.close()
 
@@ -573,8 +618,7 @@ def stop_on_signals(trainer: Trainer) -> Iterator[None]:
     """
 
     def _stop(signum: int, frame: Any) -> None:
-        trainer.signalled = True
-        trainer.request_stop(f"signal {signum}")
+        trainer.on_signal(signum)
 
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -123,6 +123,10 @@ class Publisher:
         self.record = record
         self.control = control
         self.publisher = WeightsPublisher(targets, timeout_s=timeout_s) if targets else None
+        self.request_timeout_s = 5.0
+        """Longest wait for the gateway's answer to a new version (shortened when a signal
+        stops the trainer: the gateway may be gone, and the last publication must not keep
+        the rank alive past torchrun's shutdown limit)."""
         self.published_version = 0
         self.refused = 0
         self.failures = 0
@@ -186,7 +190,9 @@ class Publisher:
                 if self.control is not None:
                     # The gateway measures policy lag against when a version was made,
                     # not when it reached the servers.
-                    self.control.request("trainer_version", timeout_s=5.0, version=version, t=created)
+                    self.control.request(
+                        "trainer_version", timeout_s=self.request_timeout_s, version=version, t=created
+                    )
                 if self.publisher is not None:
                     # onnxruntime servers get the ONNX export of this version, others the tensors.
                     if self.onnx:

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 GRACE_S = 2.0
 """Extra wait for an answer past a request's own timeout (transport, a busy service)."""
+INTERRUPT_CHECK_S = 0.2
+"""How often a wait for an answer asks :attr:`ReplayClient.interrupted` whether to give up."""
 
 
 class SampleTimeout(RemoteError, TimeoutError):
@@ -84,6 +86,7 @@ class ReplayClient:
         prefetch: int = 2,
         keys: CurveKeys | None = None,
         context: zmq.Context[Any] | None = None,
+        interrupted: Callable[[], bool] | None = None,
     ) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
@@ -100,6 +103,9 @@ class ReplayClient:
         """(seq, deadline) of SAMPLE requests sent for the current shape, oldest first."""
         self._shape: tuple[Any, ...] | None = None
         self._early: dict[int, Message] = {}
+        self.interrupted = interrupted
+        """Asked while an answer is awaited: True ends the wait with :class:`ReplayUnavailable`
+        at once (a trainer told to stop does not wait out a service that is gone)."""
 
     def repoint(self, address: str) -> bool:
         """Dial the service at ``address`` from now on (it restarted on another node:
@@ -179,8 +185,14 @@ class ReplayClient:
         """The message answering ``seq``; answers to other requests in flight are kept."""
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.sock.poll(int(remaining * 1000) + 1):
+            if remaining <= 0:
                 raise ReplayUnavailable(f"{what}: no answer from the replay service at {self.address}")
+            if not self.sock.poll(int(min(remaining, INTERRUPT_CHECK_S) * 1000) + 1):
+                if self.interrupted is not None and self.interrupted():
+                    raise ReplayUnavailable(
+                        f"{what}: interrupted waiting for the replay service at {self.address}"
+                    )
+                continue
             msg = recv(self.sock)
             if msg.seq == seq:
                 return msg
