@@ -478,6 +478,9 @@ def test_a_restarted_service_whose_port_another_process_took_binds_another_and_p
             (server,) = [line for line in run_processes(run) if " -m inference " in line]
             os.kill(int(server.split()[0]), signal.SIGKILL)
             wait_for(lambda: bindable("127.0.0.1", port, reuse=True), timeout=10, what="its port freed")
+            # As ZeroMQ binds: the gateway's connections to the killed server may leave the
+            # port in TIME_WAIT, which refuses a bind without SO_REUSEADDR.
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             holder.bind(("127.0.0.1", port))
             holder.listen()
 
