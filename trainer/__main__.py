@@ -13,6 +13,7 @@ process is one FSDP rank; alone it is a group of one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
@@ -20,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +30,7 @@ from gateway import lifeline
 if TYPE_CHECKING:  # imported lazily below, so that --help stays fast
     from gateway.config import ExperimentConfig
     from trainer.distributed import World
+    from trainer.loop import Trainer
 
 log = logging.getLogger("trainer")
 
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg: ExperimentConfig, run_dir: Path, endpoints: dict[str, Any], world: World) -> int:
-    from trainer.loop import Trainer, stop_on_signals
+    from trainer.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, endpoints, world)
     with stop_on_signals(trainer):
@@ -94,6 +97,25 @@ def _train(cfg: ExperimentConfig, run_dir: Path, endpoints: dict[str, Any], worl
             return trainer.run()
         finally:
             trainer.close()
+
+
+@contextlib.contextmanager
+def stop_on_signals(trainer: Trainer) -> Iterator[None]:
+    """SIGTERM and SIGINT ask ``trainer`` to stop at its next check, inside this block.
+
+    The previous handlers come back on leaving it, so nothing refers to the trainer
+    afterwards and its sharded networks (and their process group) can be released.
+    """
+
+    def _stop(signum: int, frame: Any) -> None:
+        trainer.on_signal(signum)
+
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,9 @@ Rank 0 decides and the decision is broadcast, so every rank stops at the same up
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +40,7 @@ from gateway.protocol import RemoteError, Timeout
 from trainer import checkpoint
 from trainer.algos import Algorithm, OnPolicyAlgorithm, make_algorithm
 from trainer.distributed import World, from_rank0
-from trainer.publish import Publisher, full_state_dict, last_published
+from trainer.publish import LaggedControl, Publisher, full_state_dict, last_published
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +117,7 @@ class Trainer:
                 net_config=net,
                 targets=targets,
                 onnx=cfg.inference.backend == "onnxruntime",
-                control=_Lagged(endpoints["gateway"]["control"], self.tc),
+                control=LaggedControl(endpoints["gateway"]["control"], self.tc),
                 record=self.ckpt_dir / PUBLISHED,
                 # One trainer process on a GPU: snapshots stay there for CUDA IPC.
                 device=world.device.type == "cuda"
@@ -594,35 +591,3 @@ class Trainer:
         if self._probe is not None and self._probe is not self.control:
             self._probe.close()
         self.metrics.close()
-
-
-class _Lagged:
-    """The publisher's line to the gateway: each new version, with the lag bound of async mode."""
-
-    def __init__(self, address: str, tc: Any) -> None:
-        from gateway.control_client import ControlClient
-
-        self.client = ControlClient(address)
-        self.max_lag = tc.max_policy_lag if tc.mode != "sync" else None
-
-    def request(self, cmd: str, timeout_s: float = 5.0, **meta: Any) -> dict[str, Any]:
-        return self.client.request(cmd, timeout_s=timeout_s, max_policy_lag=self.max_lag, **meta)
-
-
-@contextlib.contextmanager
-def stop_on_signals(trainer: Trainer) -> Iterator[None]:
-    """SIGTERM and SIGINT ask ``trainer`` to stop at its next check, inside this block.
-
-    The previous handlers come back on leaving it, so nothing refers to the trainer
-    afterwards and its sharded networks (and their process group) can be released.
-    """
-
-    def _stop(signum: int, frame: Any) -> None:
-        trainer.on_signal(signum)
-
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

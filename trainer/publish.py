@@ -258,3 +258,16 @@ def last_published(path: Path) -> int:
         return int(path.read_text().strip() or 0)
     except (FileNotFoundError, ValueError):
         return 0
+
+
+class LaggedControl:
+    """The publisher's line to the gateway: each new version, with the lag bound of async mode."""
+
+    def __init__(self, address: str, tc: Any) -> None:
+        from gateway.control_client import ControlClient
+
+        self.client = ControlClient(address)
+        self.max_lag = tc.max_policy_lag if tc.mode != "sync" else None
+
+    def request(self, cmd: str, timeout_s: float = 5.0, **meta: Any) -> dict[str, Any]:
+        return self.client.request(cmd, timeout_s=timeout_s, max_policy_lag=self.max_lag, **meta)
