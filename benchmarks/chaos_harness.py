@@ -38,6 +38,7 @@ from typing import Any
 from benchmarks import chaos_faults as faults
 from benchmarks.chaos_check import shm_in_use
 from gateway.protocol import RemoteError, Timeout
+from gateway.services import TORCHRUN_MODULES
 
 log = logging.getLogger("loopgate.chaos")
 
@@ -65,7 +66,7 @@ def classify(argv: list[str]) -> str:
     module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
     if (module in ("gateway", "gateway.cli") and "up" in argv) or module.endswith("supervisor"):
         return "supervisor"
-    if module == "torch.distributed.run":
+    if module in TORCHRUN_MODULES:
         return "torchrun"
     if module == "trainer" or module.endswith(".trainer"):
         return "trainer-rank"

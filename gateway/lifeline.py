@@ -45,15 +45,22 @@ def child_env() -> dict[str, str]:
     return {ENV: "1"}
 
 
-def arm(grace_s: float = GRACE_S) -> bool:
+def arm(grace_s: float = GRACE_S, *, kernel_signal: bool = True) -> bool:
     """Under a supervisor (``LOOPGATE_LIFELINE=1``): end this process when its parent dies.
 
     Returns whether the lifeline was armed. A process started by hand is left alone.
+    With ``kernel_signal=False`` the kernel's parent-death signal (which comes once per
+    exiting thread of the parent, so often more than once) is cleared and the watcher
+    sends a single SIGTERM instead, up to :data:`POLL_S` later.
     """
     if os.environ.get(ENV) != "1":
         return False
     parent = os.getppid()
-    kernel = die_with_parent()
+    if kernel_signal:
+        kernel = die_with_parent()
+    else:
+        die_with_parent(0)
+        kernel = False
     if os.getppid() != parent or parent == 1:  # the parent died before prctl took effect
         _parent_gone(grace_s, signal_self=True)
         return True

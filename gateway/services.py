@@ -52,6 +52,15 @@ class Service:
     (the URL ``loopgate up`` gives it in ``endpoints.json["metrics"]``)."""
 
 
+TORCHRUN_MODULES = ("trainer.torchrun", "torch.distributed.run")
+"""Modules that run torchrun: loopgate's wrapper (what ``loopgate up`` starts) and torch's own."""
+
+
+def starts_torchrun(argv: list[str]) -> bool:
+    """Whether ``argv`` runs torchrun (a launcher of trainer ranks) rather than a rank itself."""
+    return any(module in argv for module in TORCHRUN_MODULES)
+
+
 @dataclass
 class RunContext:
     """What plan functions need: the run folder, its config path and endpoints."""

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from gateway.cli import COMMANDS
+from gateway.services import TORCHRUN_MODULES
 from robots.launching import cli_argv
 
 pytestmark = pytest.mark.unit
@@ -46,7 +47,7 @@ def check_process(argv: list[str]) -> str:
     """``argv`` is ``python -m <loopgate entry point> args`` and the entry point's parser accepts ``args``."""
     assert argv[:2] == [sys.executable, "-m"], argv
     module_name, args = argv[2], argv[3:]
-    if module_name == "torch.distributed.run":  # the trainer under torchrun: check what it runs
+    if module_name in TORCHRUN_MODULES:  # the trainer under torchrun: check what it runs
         at = args.index("-m")
         assert all(a.startswith("--") for a in args[:at]), args
         module_name, args = args[at + 1], args[at + 2 :]

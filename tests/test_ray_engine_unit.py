@@ -114,13 +114,14 @@ def test_actor_options_and_bundles_carry_every_reservation():
     assert bundle(p) == {"CPU": 2, "GPU": 1, "memory": float(512 << 20), "robot_arm0": 1}
 
 
-def test_each_rank_runs_the_trainer_itself_instead_of_torchrun():
+@pytest.mark.parametrize("launcher", ["trainer.torchrun", "torch.distributed.run"])
+def test_each_rank_runs_the_trainer_itself_instead_of_torchrun(launcher):
     from gateway.engines.ray_engine import rank_argv
 
     argv = [
         "/venv/bin/python",
         "-m",
-        "torch.distributed.run",
+        launcher,
         "--standalone",
         "--nproc_per_node=2",
         "--log-dir=/run/logs/torchrun",

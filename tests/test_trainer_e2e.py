@@ -139,7 +139,7 @@ def test_trainer_killed_mid_run_resumes_and_versions_never_go_backwards(tmp_path
             timeout=300,
             what="a checkpoint and 50 updates",
         )
-        pid = pid_of(f"torch.distributed.run.*{run}")
+        pid = pid_of(f"trainer.torchrun.*{run}")
         steps_at_kill = max(r.get("env_steps", 0) for r in read_metrics(run / "metrics.jsonl"))
         os.kill(pid, signal.SIGKILL)
         wait_for(

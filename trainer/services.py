@@ -21,7 +21,7 @@ def plan(cfg: ExperimentConfig, run: RunContext) -> list[Service]:
         argv = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "trainer.torchrun",  # torchrun, told once (not once per thread) that `loopgate up` is gone
             "--standalone",
             f"--nproc_per_node={tc.nproc}",
             # torchrun's per-rank error files; by default a temporary folder it never removes.

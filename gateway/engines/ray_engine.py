@@ -38,6 +38,7 @@ from typing import Any
 from gateway.config import ConfigError, ExperimentConfig, Placement
 from gateway.endpoints import rewrite
 from gateway.endpoints import write as write_endpoints
+from gateway.services import starts_torchrun
 from gateway.transport import is_loopback
 
 log = logging.getLogger("loopgate.ray")
@@ -187,7 +188,7 @@ def bundle(placement: Placement) -> dict[str, float]:
 def rank_argv(argv: list[str]) -> list[str]:
     """A rank's own command from a ``torchrun ... -m trainer ARGS`` command line: the Ray
     engine is the launcher, so each rank runs ``python -m trainer ARGS``."""
-    if "torch.distributed.run" not in argv:
+    if not starts_torchrun(argv):
         return argv
     last_m = max(i for i, a in enumerate(argv) if a == "-m")
     return [argv[0], "-m", *argv[last_m + 1 :]]
@@ -218,7 +219,7 @@ class RayLauncher:
         env = {**forwarded_env(), **env}
         placement = self.cfg.run.placement_for(service.name)
         on_placed = self._placed(service.name)
-        if "torch.distributed.run" in service.argv:
+        if starts_torchrun(service.argv):
             tc = self.cfg.trainer
             sizes = tc.world_sizes()
             return RankGroup(
