@@ -12,6 +12,11 @@ the process within ``grace_s``, an immediate exit::
     def main(argv=None):
         lifeline.arm()
         ...
+
+The kernel sends that signal once for every thread of the parent that exits, so a
+multi-threaded supervisor's death may bring several; a process whose shutdown a second
+SIGTERM would break off (torchrun: ``trainer/torchrun.py``) arms with
+``kernel_signal=False`` and gets exactly one, from the watcher.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 once, not several times, that ``loopgate up`` is gone.
 
 The kernel's parent-death signal comes once for every thread of the parent that exits,
-so a supervisor that dies with several threads sends its children SIGTERM two or three
-times. Most services shrug that off; torchrun does not: a second SIGTERM breaks off the
+so a supervisor that dies with several threads sends its children SIGTERM up to once a
+thread. Most services shrug that off; torchrun does not: a second SIGTERM breaks off the
 shutdown the first one began (its ranks' last words and checkpoint with it) and ends in
 "forcefully exiting". This wrapper clears that signal and arms the lifeline's watcher
 instead, which sends exactly one SIGTERM when the parent goes (and exits for sure after
