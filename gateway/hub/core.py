@@ -321,9 +321,9 @@ class Gateway:
             self.timing.hops.add("spool_write", (time.perf_counter() - started) * 1e6)
         if not ahead:
             self.route_observation(session, msg)
-        # Bookkeeping after the ACTION left (in-process policies answer at once) or while
-        # the policy computes it.
-        self._account(session, msg, info, completed, old_episodes, written)
+        # Bookkeeping (chunking, episode ends, evaluation, lag) after the ACTION left
+        # (in-process policies answer at once) or while the policy computes it.
+        account(self, session, msg, info, completed, old_episodes, written)
 
     def answers_later(self, session: WorkerSession) -> bool:
         """Whether this observation's action can only come in a later turn of this loop:
@@ -344,18 +344,6 @@ class Gateway:
             task=self.spec.name if self.spec else "",
             eval_flags=eval_flags.tolist() if eval_flags.any() else None,
         )
-
-    def _account(
-        self,
-        session: WorkerSession,
-        msg: Message,
-        info: StepInfo,
-        completed: Transitions | None,
-        old_episodes: np.ndarray | None,
-        written: int,
-    ) -> None:
-        """Chunking, episode ends, evaluation and lag for the steps just spooled."""
-        account(self, session, msg, info, completed, old_episodes, written)
 
     def note_rate(self) -> None:
         self._rate.append((time.monotonic(), self.state.env_steps))
