@@ -79,6 +79,8 @@ ONNX_KEY = "onnx"
 FORMATS = ("state_dict", "onnx", "cuda_ipc")
 DEVICE_LIMITS = Limits(max_frame_bytes=1 << 36, max_message_bytes=1 << 38)
 """Bounds of a CUDA IPC publication (its tensors are not frames: a weight matrix may be large)."""
+ANSWER_CHECK_S = 0.2
+"""How often a wait for a server's answer reads ``WeightsPublisher.timeout_s`` again."""
 METADATA_TIMEOUT_S = 5.0
 """How long a publisher waits for a server to say which GPU it takes handles for."""
 
@@ -546,12 +548,18 @@ class WeightsPublisher:
         return results
 
     def _answer(self, sock: zmq.Socket[Any], address: str, first: int, last: int) -> dict[str, Any]:
-        """The one answer to messages ``first..last`` (an error may answer any bucket)."""
-        deadline = time.monotonic() + self.timeout_s
+        """The one answer to messages ``first..last`` (an error may answer any bucket).
+
+        The deadline is ``timeout_s`` from the start of the wait, read again every
+        :data:`ANSWER_CHECK_S`: another thread that lowers ``timeout_s`` (a trainer told to
+        stop) cuts a wait already in progress short."""
+        started = time.monotonic()
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(int(remaining * 1000)):
+            remaining = started + self.timeout_s - time.monotonic()
+            if remaining <= 0:
                 raise Timeout(f"no answer to weights from {address} within {self.timeout_s} s")
+            if not sock.poll(int(min(remaining, ANSWER_CHECK_S) * 1000) + 1):
+                continue
             reply = recv(sock)
             if not first <= reply.seq <= last:
                 continue  # a late answer to an earlier publication that timed out

@@ -101,6 +101,40 @@ def test_publisher_never_sends_non_finite_weights():
         pub.close()
 
 
+def test_a_stop_cuts_short_a_publication_that_waits_for_a_server_gone_silent():
+    """An inference server that takes the weights and never answers (it died with the
+    rest of the run): once the trainer is told to stop, the wait already in progress ends
+    within the stopping limit, not the 60 s publication timeout, so the rank can exit
+    before torchrun's shutdown limit. A real ROUTER socket plays the silent server."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.linger = 0
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    pub = Publisher(
+        spec=SPEC,
+        net_config=NET,
+        targets=[{"weights": f"tcp://127.0.0.1:{port}"}],
+        onnx=False,
+        control=None,
+        timeout_s=60.0,
+    )
+    try:
+        pub.submit(1, {"w": np.ones(3, np.float32)})
+        assert silent.poll(10_000), "the publication never reached the server"
+        assert pub.failures == 0  # still waiting for the answer that will not come
+        pub.shorten_waits(1.0)
+        deadline = time.monotonic() + 30
+        while pub.failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pub.failures == 1 and pub.published_version == 0
+        assert pub.request_timeout_s == 1.0
+    finally:
+        pub.close()
+        silent.close()
+
+
 @pytest.mark.parametrize(
     ("trainer", "message"),
     [

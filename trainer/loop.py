@@ -155,7 +155,7 @@ class Trainer:
         self.signalled = True
         self._signal_unseen = True
         if self.publisher is not None:
-            self.publisher.request_timeout_s = STOPPING_TIMEOUT_S
+            self.publisher.shorten_waits(STOPPING_TIMEOUT_S)
         self.request_stop(f"signal {signum}")
 
     def _take_signal(self) -> bool:

@@ -124,9 +124,7 @@ class Publisher:
         self.control = control
         self.publisher = WeightsPublisher(targets, timeout_s=timeout_s) if targets else None
         self.request_timeout_s = 5.0
-        """Longest wait for the gateway's answer to a new version (shortened when a signal
-        stops the trainer: the gateway may be gone, and the last publication must not keep
-        the rank alive past torchrun's shutdown limit)."""
+        """Longest wait for the gateway's answer to a new version (see :meth:`shorten_waits`)."""
         self.published_version = 0
         self.refused = 0
         self.failures = 0
@@ -139,6 +137,15 @@ class Publisher:
         """New server addresses (:meth:`retarget`), applied by the sending thread."""
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
+
+    def shorten_waits(self, timeout_s: float) -> None:
+        """A signal stops the trainer: the gateway and the inference servers may be gone
+        too, and a publication in flight must not keep the rank alive past torchrun's
+        shutdown limit. Waits for their answers, the one in progress included, end
+        ``timeout_s`` after they began at most."""
+        self.request_timeout_s = min(self.request_timeout_s, timeout_s)
+        if self.publisher is not None:
+            self.publisher.timeout_s = min(self.publisher.timeout_s, timeout_s)
 
     def snapshot(self, module: nn.Module) -> dict[str, Any]:
         """:func:`full_state_dict` into the buffers of a finished publication when there is one."""
