@@ -34,8 +34,8 @@ from tests.conftest import time_left, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 N = 64
-M = 128
-"""Envs of the hand-made worker: enough for its arrays to go through shared memory."""
+M = shm.MIN_BYTES // (8 * steps.WIDTH)
+"""Envs of the hand-made worker: enough for its step_info to go through shared memory."""
 CONFIG = {
     "env": {"backend": "torch_reach", "num_envs": N},
     "policy": {"kind": "random"},
@@ -154,8 +154,8 @@ class RawWorker:
 
 
 BAD = {
-    "leading dimension": ({"rows": 3}, r"'policy' is float32\[3, 15\], expected float32\[128, 15\]"),
-    "dtype": ({"dtype": np.float64}, r"'policy' is float64\[128, 15\], expected float32\[128, 15\]"),
+    "leading dimension": ({"rows": 3}, rf"'policy' is float32\[3, 15\], expected float32\[{M}, 15\]"),
+    "dtype": ({"dtype": np.float64}, rf"'policy' is float64\[{M}, 15\], expected float32\[{M}, 15\]"),
 }
 
 

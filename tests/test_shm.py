@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway import shm
+from gateway import shm, steps
 from gateway.protocol import Message, MsgType, ProtocolError
 from gateway.store import EpisodeStore
 from tests.conftest import time_left, wait_for
@@ -23,7 +23,14 @@ from tests.conftest import time_left, wait_for
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs /dev/shm")
 
 
-def observation(seq: int, n: int = 256) -> Message:
+ROWS = 4096
+"""Rows of a hand-made observation: its two large arrays are over ``shm.MIN_BYTES``."""
+ENVS = shm.MIN_BYTES // (8 * steps.WIDTH)
+"""Counter envs of a worker whose step_info (``steps.WIDTH`` float64 a row) is just large
+enough to go through the ring; its one-float observations stay frames."""
+
+
+def observation(seq: int, n: int = ROWS) -> Message:
     rng = np.random.default_rng(seq)
     arrays = {
         "obs/policy": rng.standard_normal((n, 15)).astype(np.float32),
@@ -35,7 +42,7 @@ def observation(seq: int, n: int = 256) -> Message:
 
 @pytest.fixture
 def ring():
-    writer = shm.ShmWriter.create(shm.slot_bytes_for(256 * (60 + 72)), slots=3)
+    writer = shm.ShmWriter.create(shm.slot_bytes_for(ROWS * (60 + 72)), slots=3)
     try:
         yield writer
     finally:
@@ -57,12 +64,12 @@ def test_large_arrays_travel_as_handles_and_arrive_equal_in_place(ring):
         for key, value in msg.arrays.items():
             np.testing.assert_array_equal(got.arrays[key], value)
         assert not got.arrays["obs/policy"].flags.writeable
-    assert ring.bytes_shared == view.bytes_shared == 7 * 256 * (60 + 72)
+    assert ring.bytes_shared == view.bytes_shared == 7 * ROWS * (60 + 72)
 
 
 @pytest.mark.unit
 def test_arrays_that_do_not_fit_a_slot_go_as_frames(ring):
-    msg = observation(1, n=4096)  # 16x what the ring was sized for
+    msg = observation(1, n=16 * ROWS)  # 16x what the ring was sized for
     sent = ring.encode(msg)
     assert "obs/policy" in sent.arrays or "step_info" in sent.arrays
     got = shm.ShmView.attach(ring.offer()).decode(sent)
@@ -88,7 +95,7 @@ def test_a_bad_handle_is_refused_naming_the_problem(ring, change, match):
     change(sent.meta["shm"])
     with pytest.raises(ProtocolError, match=match):
         view.decode(sent)
-    assert view.decode(ring.encode(observation(2))).arrays["obs/policy"].shape == (256, 15)
+    assert view.decode(ring.encode(observation(2))).arrays["obs/policy"].shape == (ROWS, 15)
 
 
 @pytest.mark.unit
@@ -150,7 +157,7 @@ def test_shared_memory_is_offered_for_local_gateways_or_when_asked(mode, address
 def _counter_run(gateway_run, shared_memory: str = "auto", **options: Any):
     return gateway_run(
         {
-            "env": {"backend": "counter", "num_envs": 128, "options": {"max_episode_steps": 30, **options}},
+            "env": {"backend": "counter", "num_envs": ENVS, "options": {"max_episode_steps": 30, **options}},
             "policy": {"kind": "random"},
             "gateway": {"worker_timeout_s": 2.0, "shared_memory": shared_memory},
         }
@@ -160,19 +167,19 @@ def _counter_run(gateway_run, shared_memory: str = "auto", **options: Any):
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_sigkilled_worker_leaves_no_segment_its_episodes_interrupted_and_nothing_acked_lost(gateway_run):
-    """Episodes far longer than the run and no early success, so each of the 128 envs holds
+    """Episodes far longer than the run and no early success, so each of the envs holds
     an open episode whenever the kill lands (with 30-step episodes, all in step, a kill
     right after their common end found almost none open)."""
     run = _counter_run(gateway_run, max_episode_steps=100_000, success_radius=0.0)
     worker = run.worker(0)
     status = wait_for(
-        lambda: (s := run.status())["env_steps"] >= 128 * 30 and s,
+        lambda: (s := run.status())["env_steps"] >= ENVS * 30 and s,
         timeout=time_left(),
         what="the worker to collect 30 batches",
     )
     (w,) = status["workers"]
-    # step_info (8 KiB a batch) goes through the ring, the two small observations as frames.
-    assert w["shm"] and w["shm_bytes"] >= 30 * 128 * 8 * 8 and w["frame_bytes"] < w["shm_bytes"] / 2
+    # step_info (128 KiB a batch) goes through the ring, the two small observations as frames.
+    assert w["shm"] and w["shm_bytes"] >= 30 * ENVS * 8 * 8 and w["frame_bytes"] < w["shm_bytes"] / 2
     # Unlinked as soon as both mapped it: nothing in /dev/shm even while both run.
     assert shm.segments_of(worker.pid) == [] and shm.segments_of(run.proc.pid) == []
     os.kill(worker.pid, signal.SIGKILL)
@@ -180,7 +187,7 @@ def test_a_sigkilled_worker_leaves_no_segment_its_episodes_interrupted_and_nothi
     status = wait_for(
         lambda: (s := run.status())["workers"] == [] and s, timeout=time_left(), what="the worker to time out"
     )
-    assert status["open_episodes"] == 0 and status["episodes_interrupted"] == 128
+    assert status["open_episodes"] == 0 and status["episodes_interrupted"] == ENVS
     acked = status["acked_steps"]
     assert run.drain()["drained"]
     count = EpisodeStore(run.run_dir / "episodes", readonly=True).count()
@@ -196,10 +203,10 @@ def test_a_gateway_that_declines_gets_frames_and_the_name_is_removed(gateway_run
     run = _counter_run(gateway_run, shared_memory="off")
     worker = run.worker(0, "--shared-memory", "on")  # offers; the gateway declines
     status = wait_for(
-        lambda: (s := run.status())["env_steps"] >= 128 * 10 and s, timeout=time_left(), what="10 batches"
+        lambda: (s := run.status())["env_steps"] >= ENVS * 10 and s, timeout=time_left(), what="10 batches"
     )
     (w,) = status["workers"]
-    assert not w["shm"] and w["shm_bytes"] == 0 and w["frame_bytes"] > 10 * 128 * 8 * 8
+    assert not w["shm"] and w["shm_bytes"] == 0 and w["frame_bytes"] > 10 * ENVS * 8 * 8
     assert shm.segments_of(worker.pid) == []
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=30) == 0
@@ -210,7 +217,7 @@ def test_a_gateway_that_declines_gets_frames_and_the_name_is_removed(gateway_run
 def test_a_restarted_gateway_gets_a_fresh_ring_and_nothing_is_lost_or_left_behind(gateway_run):
     run = _counter_run(gateway_run)
     worker = run.worker(0)
-    wait_for(lambda: run.status()["env_steps"] >= 128 * 20, timeout=time_left(), what="20 batches")
+    wait_for(lambda: run.status()["env_steps"] >= ENVS * 20, timeout=time_left(), what="20 batches")
     first_gateway = run.proc.pid
     run.kill()  # SIGKILL: its mapping goes with it; the worker's ring was unlinked long ago
     assert shm.segments_of(first_gateway) == [] and shm.segments_of(worker.pid) == []
@@ -219,7 +226,7 @@ def test_a_restarted_gateway_gets_a_fresh_ring_and_nothing_is_lost_or_left_behin
         lambda: (
             (s := run.status())["workers"]
             and s["workers"][0]["shm_bytes"] > 0
-            and s["env_steps"] > 128 * 10
+            and s["env_steps"] > ENVS * 10
             and s
         ),
         timeout=time_left(),
