@@ -95,7 +95,10 @@ def test_a_simulator_tensor_breaking_the_contract_stops_its_worker_and_loses_not
             what="the worker to leave",
         )
         acked, interrupted = acked + N * 24, interrupted + N
-        assert worker.acked_steps == N * 24, fault
+        # The random policy answers in the gateway: each ACTION leaves before the steps it
+        # completes are written, and the next answer acknowledges them (the worker stopped
+        # first for the last 24th), while the gateway's count has all 24.
+        assert worker.acked_steps == N * 23, fault
         assert status["episodes_interrupted"] == interrupted and status["open_episodes"] == 0, fault
         assert status["acked_steps"] == acked, fault
     assert run.drain()["drained"]

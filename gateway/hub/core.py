@@ -11,8 +11,9 @@ turn and between worker messages (an e-stop never queues behind observations):
   pause, resume, estop, ready, drain, shutdown; :mod:`gateway.hub.control`);
 - the action source's and the trajectory sink's own sockets.
 
-Every transition a worker reports is written to the recorder's spool before the ACTION
-that acknowledges it leaves (``meta["acked"]``). A malformed message is answered with
+Every transition a worker reports is written to the recorder's spool before an answer
+acknowledges it (``meta["acked"]``, ``meta["through"]``; an in-process policy's ACTION
+leaves first and the next one acknowledges: :mod:`gateway.hub.durability`). A malformed message is answered with
 an ERROR naming the problem, counted, logged once per peer and code, and the loop goes
 on serving everyone else. A worker silent for ``worker_timeout_s`` has its episodes
 closed as interrupted (their steps kept). Worker sessions and the collection state
@@ -36,6 +37,7 @@ from gateway.config import GatewayConfig
 from gateway.endpoints import EndpointsFollower, follow_all
 from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
+from gateway.hub import durability
 from gateway.hub.accounting import account
 from gateway.hub.clients import ClientRouter
 from gateway.hub.control import ControlDesk
@@ -58,7 +60,6 @@ from gateway.protocol import (
 from gateway.protocol.schemas import WORKER_OBSERVATION
 from gateway.recorder import Recorder
 from gateway.steps import StepInfo
-from gateway.trajectory import Transitions
 from gateway.transport import CurveKeys, bind, make_socket
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,12 @@ class Gateway:
         return obs, StepInfo(info)
 
     def on_observation(self, session: WorkerSession, msg: Message) -> None:
+        if session.unspooled:  # an earlier one waits for the disk: this one waits behind it
+            session.unspooled.append(msg)
+            return
+        if msg.meta.get("replay"):
+            durability.replay(self, session, msg)
+            return
         if msg.seq <= session.last_seq:
             # A resend of an observation we already handled (the worker reconnected):
             # answer it again if we answered before; otherwise its answer is pending.
@@ -277,6 +284,9 @@ class Gateway:
                 send(self.workers_sock, session.last_reply, route=[session.route])
             elif msg.seq == session.last_seq:
                 session.awaiting = msg.seq
+            return
+        if not durability.flush_unwritten(self, session):
+            session.unspooled.append(msg)
             return
         t_received = time.time()
         obs, info = self._check_observation(session, msg)
@@ -292,6 +302,8 @@ class Gateway:
         # acknowledged, like one completed in an episode the drain closed.
         rows = np.flatnonzero(info.has_prev) if not self.state.draining else np.empty(0, np.int64)
         completed = session.completed(msg, info, rows) if len(rows) else None
+        if completed is None:  # nothing to write: its answer acknowledges it
+            session.through = msg.seq
         old_episodes = session.pending_ids[0] if session.pending_ids is not None else None
         before = session.answer_state()
         session.last_seq = msg.seq
@@ -300,26 +312,24 @@ class Gateway:
         session.pending_ids = (info.episode, info.step, info.t_capture)
         session.awaiting = msg.seq
         session.submitted = False
-        session.acked_now = len(rows)
         session.t_received = t_received
-        # Durable before any ACTION leaves: the ACTION acknowledges these steps. A policy
-        # that answers through this loop later (an inference server) computes meanwhile;
-        # one that answers at once (in-process) or a client script gets the observation
+        # The order of answer and write (gateway.hub.durability): an in-process policy's
+        # ACTION leaves first and acknowledges these steps with the next one; an inference
+        # server computes while they are written; a client or a held observation gets them
         # only once they are written.
         ahead = completed is not None and self.answers_later(session)
-        if ahead:
+        first = completed is not None and not ahead and durability.acts_first(self, session)
+        if ahead or first:
             self.route_observation(session, msg)
         written = 0
         if completed is not None:
-            started = time.perf_counter()
-            try:
-                written = self._spool(session, completed)
-            except OSError:  # disk full: not acknowledged; this observation waits (tick retries)
-                session.restore_answer_state(before)  # an answer already computed is dropped
-                session.unspooled = msg
+            done = durability.write(
+                self, session, msg, info, completed, old_episodes, answered=first, before=before
+            )
+            if done is None:
                 return
-            self.timing.hops.add("spool_write", (time.perf_counter() - started) * 1e6)
-        if not ahead:
+            written = done
+        if not (ahead or first):
             self.route_observation(session, msg)
         # Bookkeeping (chunking, episode ends, evaluation, lag) after the ACTION left
         # (in-process policies answer at once) or while the policy computes it.
@@ -333,16 +343,6 @@ class Gateway:
             and self.source is not None
             and not self.source.synchronous
             and self.collecting
-        )
-
-    def _spool(self, session: WorkerSession, steps: Transitions) -> int:
-        """Write the transitions this observation completes to the recorder's spool."""
-        eval_flags = self.evaluator.flags(session.uid, session.num_envs)[steps.envs]
-        return self.recorder.record(
-            steps,
-            worker=session.uid,
-            task=self.spec.name if self.spec else "",
-            eval_flags=eval_flags.tolist() if eval_flags.any() else None,
         )
 
     def note_rate(self) -> None:
@@ -396,7 +396,9 @@ class Gateway:
         session.versions = np.asarray(versions, dtype=np.int64)
         session.t_action = time.time()
         self.timing.action(session, seq)
-        meta: dict[str, Any] = {"acked": session.acked_now, "t_action": session.t_action}
+        meta: dict[str, Any] = {"acked": session.acked_now, "through": session.through}
+        meta["t_action"] = session.t_action
+        session.acked_now = 0
         arrays = {"action": session.action}
         v = session.versions
         if len(v) and (v == v[0]).all():
@@ -411,7 +413,9 @@ class Gateway:
 
     def send_reset(self, session: WorkerSession, seed: int | None, options: dict[str, Any] | None) -> None:
         assert session.awaiting is not None
-        reply = Message(MsgType.RESET, seq=session.awaiting, meta={"seed": seed, "options": options})
+        meta = {"seed": seed, "options": options, "acked": session.acked_now, "through": session.through}
+        session.acked_now = 0
+        reply = Message(MsgType.RESET, seq=session.awaiting, meta=meta)
         send(self.workers_sock, reply, route=[session.route])
         session.last_reply = reply
         session.awaiting = None
@@ -507,10 +511,15 @@ class Gateway:
                 n = self.recorder.interrupt(uid)
                 log.warning("worker %s did not return after restart; %d episode(s) interrupted", uid, n)
             self._orphans_deadline = float("inf")
-        for session in [s for s in self.sessions.values() if s.unspooled is not None]:
-            msg, session.unspooled = session.unspooled, None
-            assert msg is not None
-            self.on_observation(session, msg)  # held again (unspooled) while the disk is full
+        for session in self.sessions.values():
+            waiting, session.unspooled = session.unspooled, []
+            if not waiting:
+                durability.flush_unwritten(self, session)
+            for i, msg in enumerate(waiting):
+                self.on_observation(session, msg)
+                if session.unspooled:  # held again while the disk is full: the rest behind it
+                    session.unspooled += waiting[i + 1 :]
+                    break
         self.resubmit_waiting()
         if self.source is not None:
             self.source.tick()

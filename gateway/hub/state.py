@@ -123,16 +123,22 @@ class WorkerSession:
     """Its last observation was held (a hold reason applied): the round trip the worker
     reports for it measures the hold, not the data path."""
     acked_now: int = 0
-    """Steps the observation being answered stored (sent back in the ACTION's meta)."""
+    """Steps written since the worker's last answer (its ``meta["acked"]``)."""
+    through: int = -1
+    """The newest observation seq all of whose steps are written (an answer's
+    ``meta["through"]``; see :mod:`gateway.hub.durability`)."""
+    unwritten: tuple[Message, StepInfo, Transitions, np.ndarray | None] | None = None
+    """Steps the spool refused (disk full) after their ACTION left: written before
+    anything else of this worker is handled."""
     t_received: float = 0.0
     """When the observation being answered arrived (wall clock, for the ``gateway`` hop)."""
     t_submitted: float = 0.0
     """When it went to the action source (``perf_counter``, for the ``policy`` hop)."""
     trace: dict[str, Any] | None = None
     """A sampled step being traced: its timestamps so far (``trace.jsonl``)."""
-    unspooled: Message | None = None
-    """An observation whose steps the spool refused (disk full): handled again, and only
-    then answered, once the spool writes again."""
+    unspooled: list[Message] = field(default_factory=list)
+    """Observations waiting for the spool (disk full), oldest first: handled again, and
+    only then answered, once it writes again."""
     shm: ShmView | None = None
     """The worker's shared-memory ring, mapped (:mod:`gateway.shm`); None: frames only."""
     shm_bytes: int = 0

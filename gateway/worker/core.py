@@ -87,6 +87,9 @@ class EnvWorker:
         self._seq = 0
         self._last_obs_msg: Message | None = None
         self._prev: dict[str, np.ndarray] | None = None
+        self._unacked: list[Message] = []
+        """Observations (with ``prev/*``) whose steps no answer acknowledged yet, oldest
+        first: sent again, as replays, after a reconnect (:mod:`gateway.hub.durability`)."""
         self._rtt_us = 0.0
         self.acked_steps = 0
         self.env_steps = 0
@@ -382,15 +385,17 @@ class EnvWorker:
             if reply is None:  # gateway silent: reconnect and resend with prev attached
                 self.reconnects += 1
                 welcome = self._hello()
+                self._replay()
                 if welcome.get("reset_required"):
                     self._last_obs_msg = self._reset(self.seed, None)
                     outgoing = self._last_obs_msg
                 else:
                     outgoing = self._with_prev(self._last_obs_msg)
                 continue
+            if reply.type in (MsgType.ACTION, MsgType.RESET):
+                self._settle(reply)
             if reply.type is MsgType.ACTION:
                 self._rtt_us = (time.perf_counter() - sent_at) * 1e6
-                self.acked_steps += int(reply.meta.get("acked", 0))
                 problems = (
                     self.backend.spec.check_action(
                         np.asarray(reply.arrays.get("action")), self.backend.num_envs
@@ -414,6 +419,29 @@ class EnvWorker:
                 self._tapped = (None, None)
             self._last_obs_msg = nxt
             outgoing = nxt
+
+    def _settle(self, reply: Message) -> None:
+        """Keep the steps the answer to the last observation does not acknowledge yet."""
+        assert self._last_obs_msg is not None
+        seq = self._last_obs_msg.seq
+        acked = reply.meta.get("acked", 0)
+        self.acked_steps += acked if isinstance(acked, int) else 0
+        through = reply.meta.get("through")
+        if not isinstance(through, int) or isinstance(through, bool):
+            through = seq  # a gateway that writes every step before it answers
+        self._unacked = [m for m in self._unacked if m.seq > through]
+        if seq > through and self._prev is not None:
+            self._unacked.append(self._with_prev(self._last_obs_msg))
+
+    def _replay(self) -> None:
+        """Send the steps no answer acknowledged to the gateway just (re)joined, oldest
+        first and before anything else: one that died before writing them records them."""
+        assert self._sock is not None
+        for kept in self._unacked:
+            replay = Message(kept.type, seq=kept.seq, meta={**kept.meta, "replay": True}, arrays=kept.arrays)
+            send(self._sock, self.shm.encode(replay) if self.shm is not None else replay)
+        if self._unacked:
+            log.info("sent %d unacknowledged step(s) again to the gateway", len(self._unacked))
 
     def _await_reply(self, seq: int) -> Message | None:
         """The gateway's answer to observation ``seq``; None when it went silent."""
