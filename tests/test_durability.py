@@ -197,7 +197,16 @@ class FakeGateway:
     def __init__(self, address: str) -> None:
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.linger = 0
-        self.sock.bind(address)
+        # The port of a gateway closed just before is released by ZeroMQ's I/O thread a
+        # moment later: bind again until it is free.
+        wait_for(lambda: self._bind(address), timeout=10, what=f"{address} to be free again")
+
+    def _bind(self, address: str) -> bool:
+        try:
+            self.sock.bind(address)
+        except zmq.ZMQError:
+            return False
+        return True
 
     def expect(self, kind: MsgType) -> tuple[bytes, Message]:
         while True:
