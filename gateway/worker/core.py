@@ -392,10 +392,11 @@ class EnvWorker:
                 else:
                     outgoing = self._with_prev(self._last_obs_msg)
                 continue
+            if reply.type is MsgType.ACTION:
+                self._rtt_us = (time.perf_counter() - sent_at) * 1e6
             if reply.type in (MsgType.ACTION, MsgType.RESET):
                 self._settle(reply)
             if reply.type is MsgType.ACTION:
-                self._rtt_us = (time.perf_counter() - sent_at) * 1e6
                 problems = (
                     self.backend.spec.check_action(
                         np.asarray(reply.arrays.get("action")), self.backend.num_envs
