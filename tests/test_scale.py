@@ -119,8 +119,10 @@ def test_workers_join_and_leave_a_live_run_and_every_step_is_counted_once(engine
     scale_records = [r["scale"] for r in read_metrics(run / "metrics.jsonl") if "scale" in r]
     assert [r["env.workers"] for r in scale_records] == [3, 1]
     # Exact accounting: the gateway acknowledged (and stored) every step a worker heard
-    # acknowledged, plus at most the one observation each worker had in flight when it
-    # stopped (acknowledged as it left, stored, but never heard by the worker).
+    # acknowledged, plus at most two observations' steps per worker that it never heard
+    # acknowledged: the one in flight when it stopped, and the one before it (reach_pd runs
+    # in the gateway, whose ACTION leaves before the steps are written and whose next
+    # answer acknowledges them: gateway.hub.durability).
     heard, stepped = 0, 0
     for i in range(3):
         stops = _STOPPED.findall((run / "logs" / f"worker-{i}.log").read_text())
@@ -128,7 +130,7 @@ def test_workers_join_and_leave_a_live_run_and_every_step_is_counted_once(engine
         stepped += int(stops[0][0])
         heard += int(stops[0][1])
     assert heard <= summary["acked_steps"] <= stepped
-    assert summary["acked_steps"] - heard <= 3 * cfg["env"]["num_envs"]
+    assert summary["acked_steps"] - heard <= 2 * 3 * cfg["env"]["num_envs"]
     assert summary["env_steps"] == summary["acked_steps"] == summary["stored_steps"]
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
     gateway_log = (run / "logs" / "gateway.log").read_text()
