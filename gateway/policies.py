@@ -76,6 +76,7 @@ class RandomPolicy(Policy):
             )
         mid, half = (low + high) / 2, (high - low) / 2 * self.config.scale
         self._low, self._high = mid - half, mid + half
+        self._range = self._high - self._low
 
     def act(self, obs: Obs) -> np.ndarray:
         n = len(next(iter(obs.values())))
@@ -86,7 +87,9 @@ class RandomPolicy(Policy):
                 self._low.astype(np.int64), self._high.astype(np.int64) + 1, size=shape
             )
         else:
-            sample = self._rng.uniform(self._low, self._high, size=shape)
+            # What ``uniform(low, high, size)`` computes, value for value, without its
+            # broadcasting of array bounds (a third of the cost of a small batch).
+            sample = self._low + self._range * self._rng.random(shape)
         return sample.astype(self.spec.action.dtype)
 
 

@@ -115,7 +115,8 @@ class ColumnRecording:
         if len(crossing):
             self._cut_envs(cols, crossing, [None] * len(crossing))
         fresh = ~same
-        cols.start(envs[fresh], numbers[fresh], meta["flags"][fresh])
+        if fresh.any():  # most steps continue their episodes: no new ones to start
+            cols.start(envs[fresh], numbers[fresh], meta["flags"][fresh])
         cols.write(envs, steps, segment, meta.get("packed"))
         n = len(steps)
         self._seg_unacked[segment] += n

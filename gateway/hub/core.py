@@ -65,6 +65,8 @@ from gateway.transport import CurveKeys, bind, make_socket
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05
+POLLIN = int(zmq.POLLIN)
+"""As a plain int: ``int & zmq.POLLIN`` makes an enum member on every call."""
 
 
 class Gateway:
@@ -530,7 +532,7 @@ class Gateway:
         applied before the next observation is answered, however many are queued."""
         sock = self.control.sock
         for _ in range(64):
-            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if not int(sock.getsockopt(zmq.EVENTS)) & POLLIN:
                 return
             self.control.on_message()
 
