@@ -554,7 +554,7 @@ class Gateway:
                     for _ in range(256):  # drain what is there, but let others in
                         handler()
                         self.serve_control()
-                        if not sock.poll(0):
+                        if not int(sock.getsockopt(zmq.EVENTS)) & POLLIN:  # poll(0) builds a Poller
                             break
             # Sources and sinks drain their own sockets when asked for results.
             self.collect_actions()
