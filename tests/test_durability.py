@@ -131,6 +131,9 @@ def test_steps_the_disk_refused_after_their_action_left_are_written_before_anyth
     assert second.meta["through"] == 1
     wait_for(lambda: hub.gateway.recorder.spool_error is not None, what="the refused write")
     peer.send(3)
+    bad = peer.observation(4)
+    bad.arrays["step_info"] = bad.arrays["step_info"][:, :3]  # malformed, queued behind 3
+    send(peer.sock, bad)
     time.sleep(0.5)  # several turns and ticks of the loop: observation 3 must wait
     assert not peer.sock.poll(0), "an observation was answered while earlier steps were unwritten"
     assert recorded(hub) == 0 and hub.gateway.hold_reason() == "storage"
@@ -138,7 +141,11 @@ def test_steps_the_disk_refused_after_their_action_left_are_written_before_anyth
     third = peer.next()
     assert third.type is MsgType.ACTION and third.seq == 3, third.meta
     assert third.meta["acked"] == N and third.meta["through"] == 2
+    refused = peer.next()  # the malformed one: its error, and the loop goes on
+    assert refused.type is MsgType.ERROR and refused.meta["code"] == "bad_request", refused.meta
+    assert "step_info" in refused.meta["message"]
     wait_for(lambda: recorded(hub) == 2 * N, what="observation 3's steps written after its ACTION")
+    assert peer.act(4).meta["through"] == 3  # the right observation 4, answered as usual
     peer.sock.close()
 
 

@@ -514,14 +514,7 @@ class Gateway:
                 log.warning("worker %s did not return after restart; %d episode(s) interrupted", uid, n)
             self._orphans_deadline = float("inf")
         for session in self.sessions.values():
-            waiting, session.unspooled = session.unspooled, []
-            if not waiting:
-                durability.flush_unwritten(self, session)
-            for i, msg in enumerate(waiting):
-                self.on_observation(session, msg)
-                if session.unspooled:  # held again while the disk is full: the rest behind it
-                    session.unspooled += waiting[i + 1 :]
-                    break
+            durability.retry(self, session)
         self.resubmit_waiting()
         if self.source is not None:
             self.source.tick()

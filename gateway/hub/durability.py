@@ -118,6 +118,21 @@ def flush_unwritten(gw: Any, session: WorkerSession) -> bool:
     return True
 
 
+def retry(gw: Any, session: WorkerSession) -> None:
+    """Each tick: what a full disk held of this worker, oldest first, until it holds again."""
+    waiting, session.unspooled = session.unspooled, []
+    if not waiting:
+        flush_unwritten(gw, session)
+    for i, msg in enumerate(waiting):
+        try:
+            gw.on_observation(session, msg)
+        except ProtocolError as exc:  # one queued unchecked behind a held one
+            gw.reply_error(gw.workers_sock, session.route, exc, msg.seq)
+        if session.unspooled:  # held again while the disk is full: the rest behind it
+            session.unspooled += waiting[i + 1 :]
+            return
+
+
 def replay(gw: Any, session: WorkerSession, msg: Message) -> None:
     """A step its worker kept because no answer acknowledged it yet, sent again after a
     reconnect (``meta["replay"]``): recorded if new, never answered."""
