@@ -319,33 +319,22 @@ class Gateway:
         # ACTION leaves first and acknowledges these steps with the next one; an inference
         # server computes while they are written; a client or a held observation gets them
         # only once they are written.
-        ahead = completed is not None and self.answers_later(session)
-        first = completed is not None and not ahead and durability.acts_first(self, session)
-        if ahead or first:
-            self.route_observation(session, msg)
+        order = durability.order(self, session) if completed is not None else "write"
+        if order != "write":
+            self.route_observation(session, msg, collecting=True)
         written = 0
         if completed is not None:
             done = durability.write(
-                self, session, msg, info, completed, old_episodes, answered=first, before=before
+                self, session, msg, info, completed, old_episodes, answered=order == "act", before=before
             )
             if done is None:
                 return
             written = done
-        if not (ahead or first):
+        if order == "write":
             self.route_observation(session, msg)
         # Bookkeeping (chunking, episode ends, evaluation, lag) after the ACTION left
         # (in-process policies answer at once) or while the policy computes it.
         account(self, session, msg, info, completed, old_episodes, written)
-
-    def answers_later(self, session: WorkerSession) -> bool:
-        """Whether this observation's action can only come in a later turn of this loop:
-        the experiment's policy answers it, asynchronously (an inference server)."""
-        return (
-            session.client is None
-            and self.source is not None
-            and not self.source.synchronous
-            and self.collecting
-        )
 
     def note_rate(self) -> None:
         self._rate.append((time.monotonic(), self.state.env_steps))
@@ -358,10 +347,13 @@ class Gateway:
                 return (s1 - s0) / (t1 - t0)
         return 0.0
 
-    def route_observation(self, session: WorkerSession, msg: Message) -> None:
+    def route_observation(
+        self, session: WorkerSession, msg: Message, *, collecting: bool | None = None
+    ) -> None:
+        """To a client, the action source, or held; ``collecting`` if the caller knows it."""
         if session.client is not None:
             self.clients.forward_observation(session, msg)
-        elif self.collecting and self.source is not None:
+        elif (self.collecting if collecting is None else collecting) and self.source is not None:
             self._submit(session)
         else:
             session.held = True  # answered when collection resumes

@@ -43,16 +43,14 @@ if TYPE_CHECKING:
 
 
 # ``gw`` is the :class:`~gateway.hub.core.Gateway` (typed loosely: core imports this module).
-def acts_first(gw: Any, session: WorkerSession) -> bool:
-    """Whether this observation's ACTION may leave before its steps are written: the
-    experiment's in-process policy answers it now (not a client, not held)."""
-    return (
-        session.client is None
-        and gw.source is not None
-        and gw.source.synchronous
-        and gw.collecting
-        and gw.recorder.spool_error is None
-    )
+def order(gw: Any, session: WorkerSession) -> str:
+    """When an observation that completes steps goes to its policy, relative to their write:
+    ``act`` (the in-process policy answers now; its ACTION leaves first), ``request`` (an
+    inference server computes meanwhile; its ACTION comes after the write) or ``write``
+    (a client drives the worker, or collection holds: written first)."""
+    if session.client is not None or gw.source is None or not gw.collecting:
+        return "write"
+    return "act" if gw.source.synchronous else "request"
 
 
 def spool(gw: Any, session: WorkerSession, steps: Transitions) -> int:
@@ -80,7 +78,7 @@ def write(
     before: tuple[Any, ...],
 ) -> int | None:
     """Write the steps ``msg`` completes; the number of new ones, or None when the spool
-    refused them: kept for a retry (``answered``: the ACTION left already) or, if not
+    refused them: kept for a retry (``answered``: its ACTION left already) or, if not
     answered yet, the observation is handled again once the disk takes writes."""
     started = time.perf_counter()
     try:
