@@ -197,7 +197,7 @@ def test_a_restarted_gateway_records_replayed_steps_once_and_answers_none_of_the
         ctx.destroy(linger=0)
 
 
-class FakeGateway:
+class StandInGateway:
     """The gateway's side played by the test on a real TCP socket: WELCOME to a HELLO,
     then whatever the test sends."""
 
@@ -239,7 +239,7 @@ class FakeGateway:
 
 def test_a_worker_replays_the_step_no_answer_acknowledged_before_its_current_one():
     address = f"tcp://127.0.0.1:{free_port()}"
-    first = FakeGateway(address)
+    first = StandInGateway(address)
     backend = make_backend("counter", num_envs=N, seed=0, options={"max_episode_steps": 1000})
     worker = EnvWorker(backend, address, uid="kept", heartbeat_s=0.1, gateway_timeout_s=0.5)
     thread = threading.Thread(target=worker.run, daemon=True)
@@ -253,7 +253,7 @@ def test_a_worker_replays_the_step_no_answer_acknowledged_before_its_current_one
         _, third = first.expect(MsgType.OBSERVATION)
         assert third.seq == 3
         first.sock.close()  # dies before answering observation 3
-        second = FakeGateway(address)
+        second = StandInGateway(address)
         route = second.welcome()
         _, replay = second.expect(MsgType.OBSERVATION)
         assert replay.seq == 2 and replay.meta.get("replay") is True, replay.meta

@@ -13,9 +13,9 @@ turn and between worker messages (an e-stop never queues behind observations):
 
 Every transition a worker reports is written to the recorder's spool before an answer
 acknowledges it (``meta["acked"]``, ``meta["through"]``; an in-process policy's ACTION
-leaves first and the next one acknowledges: :mod:`gateway.hub.durability`). A malformed message is answered with
-an ERROR naming the problem, counted, logged once per peer and code, and the loop goes
-on serving everyone else. A worker silent for ``worker_timeout_s`` has its episodes
+leaves first and the next one acknowledges: :mod:`gateway.hub.durability`). A malformed
+message is answered with an ERROR naming the problem, counted, logged once per peer and
+code, and the loop goes on serving everyone else. A worker silent for ``worker_timeout_s`` has its episodes
 closed as interrupted (their steps kept). Worker sessions and the collection state
 (pause, e-stop, budget, draining) are in :mod:`gateway.hub.state`; the process entry
 point (``python -m gateway.hub``) is :mod:`gateway.hub.__main__`.
@@ -65,8 +65,13 @@ from gateway.transport import CurveKeys, bind, make_socket
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05
-POLLIN = int(zmq.POLLIN)
-"""As a plain int: ``int & zmq.POLLIN`` makes an enum member on every call."""
+_POLLIN = int(zmq.POLLIN)
+
+
+def readable(sock: zmq.Socket[Any]) -> bool:
+    """Whether a message waits on ``sock``: its events, without ``poll(0)``'s Poller built
+    per call or an enum made by ``& zmq.POLLIN``."""
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & _POLLIN)
 
 
 class Gateway:
@@ -517,7 +522,7 @@ class Gateway:
         applied before the next observation is answered, however many are queued."""
         sock = self.control.sock
         for _ in range(64):
-            if not int(sock.getsockopt(zmq.EVENTS)) & POLLIN:
+            if not readable(sock):
                 return
             self.control.on_message()
 
@@ -539,7 +544,7 @@ class Gateway:
                     for _ in range(256):  # drain what is there, but let others in
                         handler()
                         self.serve_control()
-                        if not int(sock.getsockopt(zmq.EVENTS)) & POLLIN:  # poll(0) builds a Poller
+                        if not readable(sock):
                             break
             # Sources and sinks drain their own sockets when asked for results.
             self.collect_actions()

@@ -147,12 +147,10 @@ def replay(gw: Any, session: WorkerSession, msg: Message) -> None:
         )
     completed = session.completed(msg, info, rows) if len(rows) else None
     written = 0
-    if completed is not None:
-        try:
-            written = spool(gw, session, completed)
-        except OSError:
-            session.unspooled.append(msg)
+    if completed is not None:  # nothing answered it: a refused write waits like any observation
+        done = write(gw, session, msg, info, completed, None, answered=False, before=session.answer_state())
+        if done is None:
             return
-        _written(session, msg, completed)
+        written = done
     session.last_seq = msg.seq
     account(gw, session, msg, info, completed, None, written)

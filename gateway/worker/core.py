@@ -394,9 +394,7 @@ class EnvWorker:
                 continue
             if reply.type is MsgType.ACTION:
                 self._rtt_us = (time.perf_counter() - sent_at) * 1e6
-            if reply.type in (MsgType.ACTION, MsgType.RESET):
                 self._settle(reply)
-            if reply.type is MsgType.ACTION:
                 problems = (
                     self.backend.spec.check_action(
                         np.asarray(reply.arrays.get("action")), self.backend.num_envs
@@ -410,6 +408,7 @@ class EnvWorker:
                     )
                 nxt = self._apply_action(self._last_obs_msg, reply)
             elif reply.type is MsgType.RESET:
+                self._settle(reply)
                 nxt = self._reset(reply.meta.get("seed"), reply.meta.get("options"))
             else:  # COMMAND stop
                 return
