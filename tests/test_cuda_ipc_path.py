@@ -302,7 +302,7 @@ def test_without_a_gpu_a_run_asked_for_cuda_ipc_says_why_once_and_collects_with_
     run = tmp_path / "run"
     out = loopgate(
         "up", "configs/collect_pd.yaml", "--run-dir", str(run), "--max-env-steps", "3000",
-        "--set", "env.backend=torch_reach", "--set", "env.num_envs=64", "--set", "env.options={device: cpu}",
+        "--set", "env.backend=torch_reach", "--set", "env.workers=1", "--set", "env.num_envs=64", "--set", "env.options={device: cpu}",
         "--set", "policy.kind=inference", "--set", "inference.enabled=true", "--set", "inference.backend=torch",
         "--set", "inference.device=cpu", "--set", "inference.network.hidden_sizes=[32,32]",
         "--set", "gateway.cuda_ipc='on'",
@@ -312,6 +312,7 @@ def test_without_a_gpu_a_run_asked_for_cuda_ipc_says_why_once_and_collects_with_
     summary = json.loads((run / "summary.json").read_text())
     assert summary["outcome"] == "completed" and summary["lost_steps"] == 0
     assert summary["stored_steps"] == summary["acked_steps"] >= 3000
-    worker_log = next((run / "logs").glob("worker-0*.log")).read_text()
+    worker_log = (run / "logs" / "worker-0.log").read_text()  # one worker: a second one could be
+    # stopped by the spent budget while still importing torch, before it logs anything
     assert worker_log.count("no CUDA IPC ring") == 1 and "sees no CUDA device" in worker_log
     assert summary["inference"]["inference-0"].get("device_requests", 0) == 0
