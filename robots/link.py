@@ -100,9 +100,12 @@ class RobotLink:
         entry = self.histories[self.primary].latest()
         return float("inf") if entry is None else now - entry.received
 
-    def wait_for_primary(self, after: float, deadline: float) -> bool:
-        """Wait until a joint state received at or after ``after`` (monotonic) is there."""
-        return self.histories[self.primary].wait_newer(after, deadline)
+    def wait_for_primary(
+        self, after: float, deadline: float, spin: Callable[[float], None] | None = None
+    ) -> bool:
+        """Wait until a joint state received at or after ``after`` (monotonic) is there
+        (``spin``: run the node's callbacks on this thread meanwhile)."""
+        return self.histories[self.primary].wait_newer(after, deadline, spin)
 
     def state_interval(self) -> float:
         """Mean interval (s) between the last joint states, 0 when unknown."""

@@ -120,7 +120,7 @@ class Ros2Backend(EpisodeBackend):
         self.stats = LoopStats(self.period)
         self.session = RosSession(config.node_name, domain_id=config.domain_id, executor=config.executor)
         try:
-            node = self.session.node(config.node_name)
+            node = self._node = self.session.node(config.node_name)
             safety = self.session.node(f"{config.node_name}_safety")
             sources = [s for s in self.map.observations if set(s.keys) & set(self._keys)]
             if self.map.primary not in sources:
@@ -257,8 +257,10 @@ class Ros2Backend(EpisodeBackend):
             interval = max(r.state_interval() for r in self.robots)
             earliest = self._next_tick - min(0.5 * interval, 0.5 * self.period)
             deadline = self._next_tick + self.config.max_age_s
-            for robot in self.robots:
-                robot.wait_for_primary(earliest, deadline)
+            # The state arrives on this thread (no hand-over from the executor's).
+            with self.session.borrow(self._node) as spin:
+                for robot in self.robots:
+                    robot.wait_for_primary(earliest, deadline, spin)
         else:
             delay = self._next_tick - time.monotonic()
             if delay > 0:

@@ -9,8 +9,16 @@ sharing global state) and spins its nodes on executor threads it stops itself::
     node = session.node("loopgate_robot")
     safety = session.node("loopgate_robot_safety")   # its own executor thread
     session.start()
-    ...
+    with session.borrow(node) as spin:              # this thread spins the node meanwhile
+        while not arrived():
+            spin(0.01)                               # callbacks run here, not on the thread
     session.close()                                  # stops threads, destroys nodes, shuts down
+
+Borrowing takes a step's wait off a thread hand-over: the message the control loop waits
+for is dispatched on the control loop's own thread, which goes on at once, instead of on
+the executor thread, which then has to wake it. The executor thread parks meanwhile
+(never two threads in one executor) and spins again when the borrower is done, so the
+node is served whether or not anyone borrows it.
 
 ``ROS_DOMAIN_ID`` and ``ROS_AUTOMATIC_DISCOVERY_RANGE`` are read by ROS itself; an
 explicit ``domain_id`` overrides the former.
@@ -18,8 +26,10 @@ explicit ``domain_id`` overrides the former.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import rclpy
@@ -28,6 +38,7 @@ from rclpy.context import Context
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.task import Future
 
 from robots.topic_map import Qos
 
@@ -98,6 +109,7 @@ class RosSession:
         )
         self._executors: list[Any] = []
         self._threads: list[threading.Thread] = []
+        self._lends: list[_Lend] = []
         self.nodes: list[Node] = []
         self.failure: Exception | None = None
         """An exception that ended an executor thread (re-raised by :meth:`check`)."""
@@ -115,26 +127,54 @@ class RosSession:
         executor.add_node(node)
         self.nodes.append(node)
         self._executors.append(executor)
+        self._lends.append(_Lend())
         return node
 
     def start(self) -> None:
-        for node, executor in zip(self.nodes, self._executors):
+        for node, executor, lend in zip(self.nodes, self._executors, self._lends):
             thread = threading.Thread(
-                target=self._spin, args=(executor,), name=f"ros-{node.get_name()}", daemon=True
+                target=self._spin, args=(executor, lend), name=f"ros-{node.get_name()}", daemon=True
             )
             thread.start()
             self._threads.append(thread)
 
-    def _spin(self, executor: Any) -> None:
+    def _spin(self, executor: Any, lend: _Lend) -> None:
         try:
             while not self._stop.is_set() and self.context.ok():
-                executor.spin_once(timeout_sec=0.05)
+                if not lend.free.wait(0.05):
+                    continue  # lent to another thread
+                with lend.lock:
+                    # Spins until a borrower completes ``yielded`` (both executors stop
+                    # at once then; a wake() does not stop the events executor's spin).
+                    lend.yielded = Future()
+                    if lend.free.is_set():
+                        executor.spin_until_future_complete(lend.yielded, timeout_sec=0.05)
         except ExternalShutdownException:
             pass
         except Exception as exc:
             # A callback failed: the owner re-raises it on its own thread at its next call.
             self.failure = exc
             log.error("%s: executor thread stopped: %r", self.name, exc)
+
+    @contextlib.contextmanager
+    def borrow(self, node: Node, within: float = 0.002) -> Iterator[Callable[[float], None] | None]:
+        """Spin ``node`` on the calling thread: yields ``spin(timeout_s)`` (runs at most
+        one ready callback, waiting up to ``timeout_s`` for one), or None when its
+        executor thread did not let go within ``within`` seconds (it goes on spinning;
+        wait for its callbacks as before)."""
+        i = self.nodes.index(node)
+        executor, lend = self._executors[i], self._lends[i]
+        lend.free.clear()
+        lend.yielded.set_result(True)  # the thread's spin returns, and it parks
+        if not lend.lock.acquire(timeout=within):
+            lend.free.set()
+            yield None
+            return
+        try:
+            yield lambda timeout_s: executor.spin_once(timeout_sec=max(0.0, timeout_s))
+        finally:
+            lend.lock.release()
+            lend.free.set()
 
     def check(self) -> None:
         """Re-raise an exception that stopped an executor thread."""
@@ -152,6 +192,18 @@ class RosSession:
             node.destroy_node()
         self._threads.clear()
         self._executors.clear()
+        self._lends.clear()
         self.nodes.clear()
         if self.context.ok():
             self.context.try_shutdown()
+
+
+class _Lend:
+    """Who spins an executor: its thread while ``free`` is set, else the borrower holding ``lock``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.free = threading.Event()
+        self.free.set()
+        self.yielded = Future()
+        """Completed by a borrower to end the thread's current spin."""

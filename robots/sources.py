@@ -85,15 +85,24 @@ class History:
         with self.changed:
             return self._entries[-1].received if self._entries else float("-inf")
 
-    def wait_newer(self, after: float, deadline: float) -> bool:
-        """Wait until the newest entry was received at or after ``after`` (monotonic clock)."""
-        with self.changed:
-            while not (self._entries and self._entries[-1].received >= after):
+    def wait_newer(self, after: float, deadline: float, spin: Callable[[float], None] | None = None) -> bool:
+        """Wait until the newest entry was received at or after ``after`` (monotonic clock).
+
+        With ``spin`` (:meth:`robots.ros_io.RosSession.borrow`) the caller's thread runs
+        the subscriptions' callbacks itself while it waits, instead of being woken by
+        the thread that runs them.
+        """
+        while True:
+            with self.changed:
+                if self._entries and self._entries[-1].received >= after:
+                    return True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self.changed.wait(remaining)
-            return True
+                if spin is None:
+                    self.changed.wait(remaining)
+                    continue
+            spin(remaining)
 
     def clear(self) -> None:
         with self.changed:

@@ -194,6 +194,26 @@ def test_observations_and_actions_round_trip_through_the_emulator(
         )  # the arm settled near its target
 
 
+def test_robot_clocked_steps_each_read_a_state_that_arrived_after_the_last_one(
+    robot, backends, domain
+) -> None:
+    """``clock: robot``: a step waits for the joint state due next, which the stepping
+    thread receives itself (the node is borrowed from its executor thread meanwhile)."""
+    robot("/arm")  # 100 Hz joint states
+    backend = backends(
+        1, **options(domain, ["/arm"], clock="robot", control_hz=50.0, max_age_s=2.0, lost_timeout_s=10.0)
+    )
+    obs, _ = backend.reset(seed=0)
+    action = np.array([[1.0, -1.0, 0.5]], dtype=np.float32)
+    seen = [obs["joint_pos"][0].copy()]
+    for _ in range(15):
+        obs, *_ = backend.step(action)
+        seen.append(obs["joint_pos"][0].copy())
+    moves = np.abs(np.diff(np.array(seen), axis=0)).max(axis=1)
+    assert (moves > 0).all(), moves  # never the same state twice: each step waited for a new one
+    assert backend.counters()["steps"] == 15
+
+
 def steps_run(sent: list[dict[str, Any]], delta: np.ndarray, n: int) -> list[list[float]] | None:
     """``n + 1`` consecutive commands, each ``delta`` from the one before (None if not there yet)."""
     data = np.array([c["data"] for c in sent])
