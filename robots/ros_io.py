@@ -205,5 +205,5 @@ class _Lend:
         self.lock = threading.Lock()
         self.free = threading.Event()
         self.free.set()
-        self.yielded = Future()
+        self.yielded: Future[bool] = Future()
         """Completed by a borrower to end the thread's current spin."""
