@@ -27,8 +27,8 @@ TOPIC = "/borrow_probe"
 
 @pytest.fixture
 def pair(domain: int) -> Any:
-    """(listener session, its node, what its callback saw, publish(n)); the listener's
-    callback records (thread, value) and blocks while ``gate`` is clear."""
+    """(listener session, its node, what its callback saw, gate, publish(n)); the
+    listener's callback records (thread, value) and blocks while ``gate`` is clear."""
     from std_msgs.msg import Int32
 
     from robots.ros_io import RosSession

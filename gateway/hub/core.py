@@ -15,8 +15,8 @@ Every transition a worker reports is written to the recorder's spool before an a
 acknowledges it (``meta["acked"]``, ``meta["through"]``; an in-process policy's ACTION
 leaves first and the next one acknowledges: :mod:`gateway.hub.durability`). A malformed
 message is answered with an ERROR naming the problem, counted, logged once per peer and
-code, and the loop goes on serving everyone else. A worker silent for ``worker_timeout_s`` has its episodes
-closed as interrupted (their steps kept). Worker sessions and the collection state
+code, and the loop goes on serving everyone else. A worker silent for
+``worker_timeout_s`` has its episodes closed as interrupted (their steps kept). Worker sessions and the collection state
 (pause, e-stop, budget, draining) are in :mod:`gateway.hub.state`; the process entry
 point (``python -m gateway.hub``) is :mod:`gateway.hub.__main__`.
 """
@@ -325,8 +325,8 @@ class Gateway:
         # server computes while they are written; a client or a held observation gets them
         # only once they are written.
         order = durability.order(self, session) if completed is not None else "write"
-        if order != "write":
-            self.route_observation(session, msg, collecting=True)
+        if order != "write":  # collecting, for the experiment's policy: ask it now
+            self._submit(session)
         written = 0
         if completed is not None:
             done = durability.write(
@@ -352,13 +352,11 @@ class Gateway:
                 return (s1 - s0) / (t1 - t0)
         return 0.0
 
-    def route_observation(
-        self, session: WorkerSession, msg: Message, *, collecting: bool | None = None
-    ) -> None:
-        """To a client, the action source, or held; ``collecting`` if the caller knows it."""
+    def route_observation(self, session: WorkerSession, msg: Message) -> None:
+        """To a client, the action source, or held."""
         if session.client is not None:
             self.clients.forward_observation(session, msg)
-        elif (self.collecting if collecting is None else collecting) and self.source is not None:
+        elif self.collecting and self.source is not None:
             self._submit(session)
         else:
             session.held = True  # answered when collection resumes
