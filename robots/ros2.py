@@ -257,10 +257,13 @@ class Ros2Backend(EpisodeBackend):
             interval = max(r.state_interval() for r in self.robots)
             earliest = self._next_tick - min(0.5 * interval, 0.5 * self.period)
             deadline = self._next_tick + self.config.max_age_s
-            # The state arrives on this thread (no hand-over from the executor's).
-            with self.session.borrow(self._node) as spin:
-                for robot in self.robots:
-                    robot.wait_for_primary(earliest, deadline, spin)
+            # The state arrives on this thread (no hand-over from the executor's); a step
+            # that comes late finds it there and does not borrow the node at all.
+            waiting = [r for r in self.robots if not r.wait_for_primary(earliest, 0.0)]
+            if waiting:
+                with self.session.borrow(self._node) as spin:
+                    for robot in waiting:
+                        robot.wait_for_primary(earliest, deadline, spin)
         else:
             delay = self._next_tick - time.monotonic()
             if delay > 0:
