@@ -306,6 +306,7 @@ def test_lost_gpu_node_its_services_come_back_elsewhere_and_the_trainer_resumes_
         )
     except BaseException:
         proc.kill()
+        print(output(proc)[-8000:])  # the driver's placements and restarts, shown on failure
         raise
     summary = finish(proc, run)
     for name in ("inference-0", "replay", "trainer[0]"):
@@ -395,6 +396,7 @@ def test_a_running_trainer_and_gateway_follow_the_replay_service_to_its_new_node
         )
     except BaseException:
         proc.kill()
+        print(output(proc)[-8000:])  # the driver's placements and restarts, shown on failure
         raise
     summary = finish(proc, run)
     after = lookup(read_endpoints(run / "endpoints.json"), "replay", "sample")
@@ -459,3 +461,36 @@ def test_a_robots_worker_is_only_ever_placed_on_its_robots_host(cluster, tmp_pat
             proc.send_signal(signal.SIGINT)
     summary = finish(proc, run, outcome="interrupted")
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_service_whose_node_stops_answering_is_lost_only_once_ray_declares_the_node_dead(cluster, tmp_path):
+    """A node's processes are killed: the driver's connection to the service's actor closes
+    at once (Ray calls the actor *unavailable*), seconds before Ray's health checks declare
+    the node dead. Counted lost at the first of those, the service would be restarted while
+    Ray's view still holds the lost node's room (and, were the node only slow, while the
+    service still ran). The driver's handle reports the service lost only once Ray's node
+    table no longer lists its node alive."""
+    import ray
+
+    from gateway.engines.ray_procs import LOST, RayProcess
+
+    node = cluster.add({"num_cpus": 1, "resources": {"doomed": 1}})
+    ray.init(address=cluster.address, log_to_driver=False, namespace="loopgate-test")
+    try:
+        proc = RayProcess(
+            "sleeper",
+            {"num_cpus": 0, "resources": {"doomed": 1}},
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            {},
+            str(tmp_path / "sleeper.log"),
+        )
+        wait_for(lambda: proc.poll() is None and proc.pid is not None, timeout=60, what="the service started")
+        cluster.remove(node)
+        code = wait_for(lambda: proc.poll(), timeout=time_left(), interval=0.05, what="the service counted lost")
+        listed_alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        assert code == LOST
+        assert node.node_id not in listed_alive, "counted lost while Ray still listed its node alive"
+        proc.release()
+    finally:
+        ray.shutdown()

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -53,6 +53,12 @@ log = logging.getLogger("loopgate.ray")
 LOST = -int(signal.SIGKILL)
 """The exit status of a service whose actor (or node) died under it."""
 RELEASE_TIMEOUT_S = 5.0
+UNAVAILABLE_GRACE_S = 60.0
+"""How long an actor Ray calls *unavailable* (its connection lost, its node not yet declared
+dead) may stay so before its service is counted lost anyway: past Ray's default node
+health check (30 s) with room to spare."""
+NODE_CHECK_S = 0.5
+"""How often an unavailable actor's node is looked up in Ray's node table."""
 
 
 @ray.remote(max_restarts=0, max_concurrency=4)  # type: ignore[call-overload]
@@ -169,6 +175,10 @@ class RayProcess:
         self.stopping = False
         self.waiting_since = time.monotonic()
         self._waiting_logged = False
+        self.unavailable_since: float | None = None
+        """When Ray first said the actor was unavailable (None: it answers)."""
+        self._node_checked = 0.0
+        self._probe_ref: Any = None
 
     @property
     def state(self) -> str:
@@ -224,12 +234,67 @@ class RayProcess:
                         nice,
                         self.niceness,
                     )
+            if self.unavailable_since is not None:
+                if not self._still_unavailable():
+                    return self._end(LOST)
+                if _ready(self._probe_ref):
+                    ray.get(self._probe_ref)  # raises while it is still unavailable
+                    log.info("%s: its Ray actor answers again", self.name)
+                    self.unavailable_since = None
+                    self._exit_ref = self.actor.wait.remote()  # the one asked before failed
             if not _ready(self._exit_ref):
                 return None
             return self._end(int(ray.get(self._exit_ref)))
+        except ActorUnavailableError as exc:
+            return self._unavailable(exc)
         except RayError as exc:
             log.warning("%s: its Ray actor is gone (%s); counting it as killed", self.name, _first_line(exc))
             return self._end(LOST)
+
+    def _unavailable(self, exc: ActorUnavailableError) -> int | None:
+        """Ray lost the connection to the actor but has not declared it dead. Its node may
+        only be slow to answer (the service then still runs, and a second copy must not
+        start), or gone and not yet declared dead: a replacement placed now would be
+        scheduled on a view that still counts the lost node's room, and Ray can wait on
+        that node indefinitely. So the service counts as lost once Ray declares its node
+        dead (or the actor dead), or after :data:`UNAVAILABLE_GRACE_S`; meanwhile a probe
+        asks the actor where it runs, and once it answers its exit is awaited again."""
+        now = time.monotonic()
+        if self.unavailable_since is None:
+            self.unavailable_since = now
+            log.warning(
+                "%s: its Ray actor does not answer (%s); waiting up to %.0f s for Ray to declare "
+                "its node dead before restarting it",
+                self.name,
+                _first_line(exc),
+                UNAVAILABLE_GRACE_S,
+            )
+        if not self._still_unavailable():
+            return self._end(LOST)
+        if self.pid is not None:
+            self._probe_ref = self.actor.node.remote()  # answers once the actor does
+        return None
+
+    def _still_unavailable(self) -> bool:
+        """Whether an unavailable actor may still come back: its node alive in Ray's node
+        table (looked up every :data:`NODE_CHECK_S`) and the grace not spent."""
+        assert self.unavailable_since is not None
+        now = time.monotonic()
+        if now - self.unavailable_since >= UNAVAILABLE_GRACE_S:
+            log.warning(
+                "%s: its Ray actor did not answer for %.0f s; counting it as killed",
+                self.name,
+                now - self.unavailable_since,
+            )
+            return False
+        if now - self._node_checked < NODE_CHECK_S:
+            return True
+        self._node_checked = now
+        node_id = self.node["node_id"] if self.node else None
+        alive = any(n.get("NodeID") == node_id and n.get("Alive") for n in ray.nodes())  # type: ignore[no-untyped-call]
+        if not alive:
+            log.warning("%s: Ray declared its node dead; counting it as killed", self.name)
+        return alive
 
     def _log_waiting(self) -> None:
         waited = time.monotonic() - self.waiting_since
