@@ -487,7 +487,9 @@ def test_a_service_whose_node_stops_answering_is_lost_only_once_ray_declares_the
         )
         wait_for(lambda: proc.poll() is None and proc.pid is not None, timeout=60, what="the service started")
         cluster.remove(node)
-        code = wait_for(lambda: proc.poll(), timeout=time_left(), interval=0.05, what="the service counted lost")
+        code = wait_for(
+            lambda: proc.poll(), timeout=time_left(), interval=0.05, what="the service counted lost"
+        )
         listed_alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         assert code == LOST
         assert node.node_id not in listed_alive, "counted lost while Ray still listed its node alive"
