@@ -496,3 +496,45 @@ def test_a_service_whose_node_stops_answering_is_lost_only_once_ray_declares_the
         proc.release()
     finally:
         ray.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_group_that_loses_its_node_before_its_ranks_start_is_placed_again(cluster, tmp_path):
+    """The trainer's placement group is reserved on a node, which dies before the ranks are
+    placed in it. Ray then places the group again, but only whole: on the node that joins
+    instead, which has room for one rank, never. The ranks would wait forever (the
+    fallback to fewer ranks is for groups that never found room), so the group is given
+    up and asked for again, and after ``shrink_after_s`` its one-rank fallback starts on
+    the new node."""
+    import ray
+
+    from gateway.engines.ray_procs import RankGroup, _ready
+
+    first = cluster.add({"num_cpus": 2, "resources": {"ranks_here": 2}})
+    ray.init(address=cluster.address, log_to_driver=False, namespace="loopgate-test")
+    try:
+        group = RankGroup(
+            "trainer",
+            [{"CPU": 1, "ranks_here": 1}] * 2,
+            "PACK",
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            {},
+            str(tmp_path / "trainer.log"),
+            smaller=[1],
+            shrink_after_s=2.0,
+        )
+        wait_for(lambda: _ready(group._pg_ready), timeout=60, what="the group reserved")  # not polled yet
+        cluster.remove(first)
+        second = cluster.add({"num_cpus": 2, "resources": {"ranks_here": 1}})
+        wait_for(
+            lambda: group.poll() is None and group.launched,
+            timeout=time_left(),
+            interval=0.1,
+            what="the ranks started",
+        )
+        assert group.world_size == 1
+        assert [r.node["node_id"] for r in group.ranks] == [second.node_id]  # type: ignore[index]
+        group.release()
+        cluster.remove(second)
+    finally:
+        ray.shutdown()

@@ -42,7 +42,12 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from gateway import lifeline
@@ -371,6 +376,7 @@ class RankGroup:
             raise ValueError(f"{name}: smaller world sizes must be in [1, {len(bundles) - 1}], got {smaller}")
         self.shrink_after_s = shrink_after_s
         self.pg: PlacementGroup | None = None
+        self._pg_checked = 0.0
         self._place(bundles)
         self.ranks: list[RayProcess] = []
         self.launched = False
@@ -456,6 +462,8 @@ class RankGroup:
                 return None
             if not self.launched:
                 if not all(r.placed() for r in self.ranks):
+                    if any(r.returncode is not None for r in self.ranks) or self._group_lost_a_node():
+                        self._replace()  # a rank's actor died unplaced, or the group's node
                     return None
                 if self.stopping:
                     return self._end(-int(signal.SIGTERM))
@@ -473,6 +481,32 @@ class RankGroup:
         if all(c == 0 for c in codes):
             return self._end(0)
         return None
+
+    def _group_lost_a_node(self) -> bool:
+        """Whether Ray is placing the group again (a node holding its bundles died), looked
+        up every :data:`NODE_CHECK_S`: ranks waiting on it wait as long as Ray finds no
+        room for the whole group, and the world-size fallback never applies to them."""
+        now = time.monotonic()
+        if self.pg is None or now - self._pg_checked < NODE_CHECK_S:
+            return False
+        self._pg_checked = now
+        return bool(placement_group_table(self.pg).get("state") == "RESCHEDULING")
+
+    def _replace(self) -> None:
+        """Give up a group that lost a node before its ranks started, ranks and all, for a
+        new one of the same size (no rank ran: this is no restart; the fallback to fewer
+        ranks applies to it as to any group that finds no room)."""
+        log.warning(
+            "%s: a node holding its placement group died before its ranks started; placing it again",
+            self.name,
+        )
+        for r in self.ranks:
+            r.release()
+        self.ranks = []
+        if self.pg is not None:
+            with contextlib.suppress(RayError, ValueError):
+                remove_placement_group(self.pg)
+        self._place(self._bundles)
 
     def _bundle_options(self, rank: int) -> dict[str, Any]:
         # The bundle holds the reservation; the actor takes it all (so GPUs are visible to it).
