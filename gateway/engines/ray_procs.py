@@ -462,6 +462,8 @@ class RankGroup:
                 return None
             if not self.launched:
                 if not all(r.placed() for r in self.ranks):
+                    if self.stopping:
+                        return None  # wait() ends a group that never ran; nothing is placed again
                     if any(r.returncode is not None for r in self.ranks) or self._group_lost_a_node():
                         self._replace()  # a rank's actor died unplaced, or the group's node
                     return None
