@@ -2,7 +2,8 @@
 
 Every ``publish_every`` updates all ranks gather the actor's full state dict onto rank 0
 (DCP's ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``: one
-all-gather, the only part that holds training up); rank 0 checks every value is finite
+all-gather, the only part that holds training up; a group of one reads its shards, which
+are whole, directly); rank 0 checks every value is finite
 and hands the arrays to a background thread, which sends them as bucketed WEIGHTS
 messages (an ONNX export instead when an onnxruntime backend serves) and tells the gateway
 the trainer's version, for policy-lag accounting. A publication still in flight when
