@@ -1,11 +1,12 @@
 """The trainer: update rate with 1 and 2 processes, weight publication, policy lag.
 
 - ``trainer.updates_per_s.np1|np2`` (and ``trainer.samples_per_s.*``,
-  ``trainer.data_wait_frac.*``): SAC on the reach task, FSDP2 over 1 or 2 gloo processes
+  ``trainer.data_wait_frac.*``): SAC on the reach task in one process (plain modules:
+  a group of one on the CPU is not sharded) or FSDP2 over 2 gloo processes
   (``torchrun``), every 256-transition batch sampled from a real replay service holding
   20 000 reach transitions; ``np2`` is compared with ``np1``.
 - ``weights.sync_s.1M|10M|100M``: the trainer's publication of a policy of that many
-  parameters: the full state dict gathered from the FSDP-sharded actor
+  parameters: the full state dict of the actor as a one-process trainer holds it
   (``full_state_dict``, into the previous snapshot's buffers as the trainer does) and
   published to a real inference server (torch backend) until
   it acknowledges (transfer, validation, load, swap), against

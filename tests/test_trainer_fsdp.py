@@ -1,4 +1,4 @@
-"""FSDP2 over real gloo process groups: a 2-process checkpoint loads into 1 process."""
+"""FSDP2 over real gloo process groups: checkpoints load across world sizes (2 -> 1, 1 -> 2)."""
 
 from __future__ import annotations
 
@@ -14,45 +14,56 @@ pytestmark = pytest.mark.integration
 SCRIPT = REPO / "tests" / "scripts" / "fsdp_checkpoint.py"
 
 
-def test_two_process_checkpoint_resumes_in_one_process_with_the_same_state(tmp_path):
-    saved, loaded = tmp_path / "saved.json", tmp_path / "loaded.json"
+def checkpoint_script(mode: str, directory, out, nproc: int) -> None:
+    """``fsdp_checkpoint.py MODE``: under torchrun with ``nproc`` ranks, or alone (1)."""
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    )
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(SCRIPT),
-            "save",
-            str(tmp_path / "ck"),
-            str(saved),
-        ],
+        [sys.executable, *launcher, str(SCRIPT), mode, str(directory), str(out)],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=REPO,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "load", str(tmp_path / "ck"), str(loaded)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def same_state(saved, loaded) -> None:
     a, b = json.loads(saved.read_text()), json.loads(loaded.read_text())
-    assert (a["world"], b["world"]) == (2, 1)
-    assert b["counters"] == {"updates": 4, "version": 7, "samples": 256}
+    assert b["counters"] == a["counters"]
     assert a["actor"] == pytest.approx(b["actor"], rel=1e-6)
     assert a["critic"] == pytest.approx(b["critic"], rel=1e-6)
     assert a["log_alpha"] == pytest.approx(b["log_alpha"], rel=1e-6)
 
 
+def test_two_process_checkpoint_resumes_in_one_process_with_the_same_state(tmp_path):
+    saved, loaded = tmp_path / "saved.json", tmp_path / "loaded.json"
+    checkpoint_script("save", tmp_path / "ck", saved, nproc=2)
+    checkpoint_script("load", tmp_path / "ck", loaded, nproc=1)
+    a, b = json.loads(saved.read_text()), json.loads(loaded.read_text())
+    assert (a["world"], b["world"]) == (2, 1)
+    assert (a["sharded"], b["sharded"]) == (True, False)  # one CPU process: plain modules
+    assert b["counters"] == {"updates": 4, "version": 7, "samples": 256}
+    same_state(saved, loaded)
+
+
+def test_one_process_checkpoint_resumes_in_two_processes_with_the_same_state(tmp_path):
+    """A trainer that ran alone (plain modules, no FSDP on one CPU process) and is
+    restarted with ``trainer.nproc: 2`` resumes sharded, with the same state."""
+    saved, loaded = tmp_path / "saved.json", tmp_path / "loaded.json"
+    checkpoint_script("save", tmp_path / "ck", saved, nproc=1)
+    checkpoint_script("load", tmp_path / "ck", loaded, nproc=2)
+    a, b = json.loads(saved.read_text()), json.loads(loaded.read_text())
+    assert (a["world"], b["world"]) == (1, 2)
+    assert (a["sharded"], b["sharded"]) == (False, True)
+    assert b["counters"] == {"updates": 4, "version": 7, "samples": 128}
+    same_state(saved, loaded)
+
+
 def test_a_group_of_one_snapshots_its_own_state_dict_with_dcp_names_and_values(tmp_path):
     """In a group of one the publication's snapshot skips DCP's gather and reads each
-    shard (the whole tensor) directly; a module whose own names differ from DCP's (a
+    shard (the whole tensor) or plain parameter directly; a module whose own names differ from DCP's (a
     compiled one: ``_orig_mod.``) still goes through DCP, so published names never change."""
     out = tmp_path / "snapshot.json"
     run = subprocess.run(
@@ -65,9 +76,10 @@ def test_a_group_of_one_snapshots_its_own_state_dict_with_dcp_names_and_values(t
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world"] == 1
-    actor, compiled = result["actor"], result["compiled"]
-    assert actor["local_path"] is True and compiled["local_path"] is False
-    for case in (actor, compiled):
+    sharded, plain, compiled = result["sharded"], result["plain"], result["compiled"]
+    assert sharded["local_path"] is True and plain["local_path"] is True
+    assert compiled["local_path"] is False
+    for case in (sharded, plain, compiled):
         assert case["names"] == case["dcp_names"] and case["names"]
         assert case["equal"] and case["reused"] and not case["aliased"]
     assert not any(name.startswith("_orig_mod") for name in compiled["names"])

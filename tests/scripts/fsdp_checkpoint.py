@@ -74,6 +74,7 @@ def train_or_resume(mode: str, directory: Path, world: World) -> dict[str, Any] 
     critic = {k: v for k, v in everything.items() if k.startswith("critic.")}
     return {
         "world": world.size,
+        "sharded": any(hasattr(p, "to_local") for p in algo.actor.parameters()),
         "counters": counters,
         "actor": {k: float(v.astype("float64").sum()) for k, v in actor.items()},
         "critic": float(sum(v.astype("float64").sum() for v in critic.values())),

@@ -1,8 +1,9 @@
-"""Run by tests/test_trainer_fsdp.py: snapshots of FSDP2 modules in a group of one.
+"""Run by tests/test_trainer_fsdp.py: publication snapshots in a group of one.
 
     python tests/scripts/one_rank_snapshot.py OUT.json
 
-Writes, per module (a sharded actor, a compiled one), the snapshot's tensor names and
+Writes, per module (an FSDP2-sharded actor, as a group of one on a GPU has it; a plain
+one, as on the CPU; a compiled one), the snapshot's tensor names and
 DCP's, whether the values match DCP's full state dict after a parameter change, whether
 the second snapshot reused the first one's arrays without aliasing the parameters, and
 which path the snapshot took.
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -25,7 +27,7 @@ from gateway.factory import experiment_spec
 from networks.config import NetworkConfig
 from networks.modules import make_actor
 from trainer import publish
-from trainer.distributed import init_distributed, shard, shutdown
+from trainer.distributed import init_distributed, shutdown
 
 
 def check(module: torch.nn.Module) -> dict[str, Any]:
@@ -49,11 +51,17 @@ def check(module: torch.nn.Module) -> dict[str, Any]:
 def main() -> None:
     world = init_distributed(timeout_s=60)
     spec = experiment_spec("mujoco_reach", {})
-    actor = shard(make_actor(spec, NetworkConfig(hidden_sizes=(32, 32)), seed=3), world, ("sample",))
+    net = NetworkConfig(hidden_sizes=(32, 32))
+    sharded = make_actor(spec, net, seed=3)
+    fully_shard(sharded)  # what trainer.distributed.shard does on a GPU
+    plain = make_actor(spec, net, seed=4)
     compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh()))
-    out = {"world": world.size, "actor": check(actor), "compiled": check(compiled)}
+    out = {
+        "world": world.size,
+        **{k: check(m) for k, m in [("sharded", sharded), ("plain", plain), ("compiled", compiled)]},
+    }
     Path(sys.argv[1]).write_text(json.dumps(out))
-    del actor, compiled
+    del sharded, plain, compiled
     shutdown()
 
 
