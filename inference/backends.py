@@ -395,6 +395,52 @@ class OrtPolicy(LoadedPolicy):
         return np.asarray(binding.copy_outputs_to_cpu()[0])
 
 
+class GraphFiles:
+    """Files onnxruntime loads graphs from, gone when this process ends however it ends.
+
+    On Linux each graph is an anonymous in-memory file (``memfd_create``) opened through
+    ``/proc/self/fd``: nothing is left in the temp folder after a SIGKILL or a crash,
+    which would otherwise keep a copy of the model per run. Elsewhere: a temp folder,
+    removed when the backend is collected or the interpreter exits.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._dir = ""
+        if not hasattr(os, "memfd_create"):
+            self._dir = tempfile.mkdtemp(prefix="loopgate-inference-")
+            weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        weakref.finalize(self, _close_all, self._fds)
+
+    def write(self, blob: bytes | np.ndarray, name: str) -> str:
+        """A path that opens to ``blob``."""
+        data = blob if isinstance(blob, bytes) else blob.data
+        if self._dir:
+            path = os.path.join(self._dir, name)
+            with open(path, "wb") as f:
+                f.write(data)
+            return path
+        fd = os.memfd_create(f"loopgate-{name}", os.MFD_CLOEXEC)
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+        path = f"/proc/self/fd/{fd}"
+        self._fds[path] = fd
+        return path
+
+    def remove(self, path: str) -> None:
+        fd = self._fds.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+        elif path:
+            os.unlink(path)
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
 class OrtBackend(Backend):
     name = "onnxruntime"
 
@@ -418,21 +464,14 @@ class OrtBackend(Backend):
         # Sessions are created from files: from bytes onnxruntime holds the interpreter
         # lock while it parses (tens of ms for a 10 M model, stalling the serving
         # threads); from a path it does not. The graph file is written once per graph.
-        self._dir = tempfile.mkdtemp(prefix="loopgate-inference-")
-        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        self.files = GraphFiles()
         self.base = ""
         self.expected: dict[str, tuple[str, tuple[int, ...]]] = {}
-
-    def _write(self, blob: bytes | np.ndarray, name: str) -> str:
-        path = os.path.join(self._dir, name)
-        with open(path, "wb") as f:
-            f.write(blob if isinstance(blob, bytes) else blob.data)
-        return path
 
     def _rebase(self, path: str, initializers: dict[str, np.ndarray]) -> None:
         """Later state dicts load into the graph at ``path`` (by initializer name)."""
         if self.base and self.base != path:
-            os.unlink(self.base)
+            self.files.remove(self.base)
         self.base = path
         self.expected = {k: (v.dtype.name, tuple(v.shape)) for k, v in initializers.items()}
 
@@ -501,7 +540,7 @@ class OrtBackend(Backend):
         for name, arr in initializers.items():
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
                 raise WeightsError(ErrorCode.BAD_WEIGHTS, f"initializer {name!r} has NaN or Inf values")
-        path = self._write(blob, "base.onnx")
+        path = self.files.write(blob, "base.onnx")
         policy = self._session(path, None, 0)
         self._rebase(path, initializers)
         return policy
@@ -545,11 +584,11 @@ class OrtBackend(Backend):
                 raise WeightsError(ErrorCode.BAD_WEIGHTS, f"initializer {init.name!r} has NaN or Inf values")
         # A name of its own: a refused model must not overwrite (then delete) the serving
         # graph, which a publication after a rollback reuses the version number of.
-        path = self._write(blob, f"version-{version}-{os.urandom(4).hex()}.onnx")
+        path = self.files.write(blob, f"version-{version}-{os.urandom(4).hex()}.onnx")
         try:
             policy = self._session(path, None, version)
         except WeightsError:
-            os.unlink(path)
+            self.files.remove(path)
             raise
         self._rebase(path, {i.name: numpy_helper.to_array(i) for i in model.graph.initializer})
         return policy

@@ -32,7 +32,7 @@ SPEC = experiment_spec("mujoco_reach", {})
 class Server:
     """One ``python -m inference`` process on a fresh run folder."""
 
-    def __init__(self, tmp: Path, backend: str, **inference: Any) -> None:
+    def __init__(self, tmp: Path, backend: str, env: dict[str, str] | None = None, **inference: Any) -> None:
         self.run_dir = tmp / f"run-{backend}"
         self.run_dir.mkdir(parents=True)
         config = {
@@ -47,7 +47,7 @@ class Server:
                 [sys.executable, "-m", "inference", "--config", str(self.run_dir / "config.yaml"),
                  "--run-dir", str(self.run_dir), "--log-level", "INFO"],
                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )  # fmt: skip
         endpoints = self.run_dir / "endpoints.json"
         wait_for(
@@ -238,6 +238,26 @@ def test_weights_hot_swap_refusals_and_rollback(server):
         assert server.ask(sock, obs_request(3, seq=22)).arrays["policy_version"][0] == new
     finally:
         pub.close()
+
+
+def test_a_server_killed_with_sigkill_leaves_no_graph_files_behind(tmp_path):
+    """onnxruntime loads graphs from files; a server that dies however it dies (here
+    SIGKILL, no clean-up of its own) must not leave one per run in the temp folder."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    s = Server(tmp_path, "onnxruntime", env={"TMPDIR": str(tmp)})
+    pub = publisher(s)
+    try:
+        actor = make_actor(SPEC, NetworkConfig(**NET), seed=3)
+        pub.publish_onnx(export_onnx(actor), 5)  # a graph of its own
+        pub.publish(state_dict_numpy(actor), 6)  # into that graph
+        assert s.ask(s.dealer(), obs_request(2, seq=30)).arrays["policy_version"][0] == 6
+    finally:
+        pub.close()
+        s.close()  # SIGKILL
+    assert s.proc.returncode == -signal.SIGKILL
+    # (onnxruntime keeps a small session-id file of its own there, reused by every run.)
+    assert [p.name for p in tmp.iterdir() if p.name != ".ses"] == []
 
 
 def test_serving_goes_on_while_versions_are_swapped(server):
