@@ -141,3 +141,39 @@ def test_a_run_nice_that_raises_a_priority_without_the_right_is_a_config_error(t
     assert not (tmp_path / "run").exists()
     monkeypatch.setattr(priority, "has_sys_nice", lambda: True)
     assert priority.may_set_niceness(-5)
+
+
+def test_the_preflight_checks_the_main_job_without_importing_torch(tmp_path):
+    """``loopgate up`` checks every block (the trainer's options and experiment included)
+    before it starts anything; importing torch for that delayed every start by about a
+    second. Run in a fresh interpreter: this one has torch already."""
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from gateway.config import load_config\n"
+        "from gateway.supervisor import prepare_run\n"
+        f"cfg = load_config(Path({str(REPO / 'configs' / 'reach_sim.yaml')!r}))\n"
+        f"prepare_run(cfg, Path({str(tmp_path / 'run')!r}), 'INFO')\n"
+        "print(sorted(m for m in ('torch', 'onnxruntime') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    assert (tmp_path / "run" / "endpoints.json").exists()
+
+
+def test_an_unknown_algorithm_or_a_bad_option_is_refused_before_anything_starts(tmp_path):
+    import pytest
+
+    from gateway.config import ConfigError, load_config
+    from gateway.supervisor import prepare_run
+
+    cfg = load_config(REPO / "configs" / "reach_sim.yaml", ["trainer.algorithm=sac2"])
+    with pytest.raises(ConfigError, match="unknown algorithm 'sac2'; known: bc, ppo, sac"):
+        prepare_run(cfg, tmp_path / "run", "INFO")
+    cfg = load_config(REPO / "configs" / "reach_sim.yaml", ["trainer.options.tau=2"])
+    with pytest.raises(ConfigError, match=r"trainer\.options\.tau must be in \(0, 1\]"):
+        prepare_run(cfg, tmp_path / "run", "INFO")
+    assert not (tmp_path / "run").exists()

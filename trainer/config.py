@@ -15,7 +15,7 @@ class TrainerConfig:
     enabled: bool = False
     """Start the trainer with ``loopgate up``."""
     algorithm: str = "sac"
-    """``sac`` or ``bc`` (see ``trainer.algos.ALGORITHMS``)."""
+    """``sac``, ``bc`` or ``ppo`` (see ``trainer.algos.ALGORITHMS``)."""
     options: dict[str, Any] = field(default_factory=dict)
     """The algorithm's options (e.g. ``gamma`` for SAC)."""
     nproc: int = 1

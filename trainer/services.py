@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Any
 
@@ -75,16 +74,15 @@ def preflight(cfg: ExperimentConfig, spec: Any) -> None:
             f"trainer evaluations would measure policy.kind {cfg.policy.kind!r}, not the trained policy: "
             "set policy.kind=inference (or trainer.eval_every=0 and trainer.final_eval_episodes=0)"
         )
-    from trainer.algos import ALGORITHMS
+    from trainer.algos import registered  # no torch: this runs before anything starts
 
-    if tc.algorithm not in ALGORITHMS:
-        raise ConfigError(
-            f"trainer.algorithm: unknown algorithm {tc.algorithm!r}; known: {', '.join(sorted(ALGORITHMS))}"
-        )
-    module, _, attr = ALGORITHMS[tc.algorithm].partition(":")
-    algorithm = getattr(importlib.import_module(module), attr)
-    options = build(algorithm.Config, dict(tc.options), "trainer.options")
-    algorithm.check_experiment(cfg, options)
+    try:
+        entry = registered(tc.algorithm)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    options = build(entry.options, dict(tc.options), "trainer.options")
+    if entry.check is not None:
+        entry.check(cfg, options)
     gamma = getattr(options, "gamma", None)
     for i, table in enumerate(cfg.replay.tables):
         # Batches carry the table's discount; a different trainer gamma would be ignored.

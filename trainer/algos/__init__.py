@@ -9,35 +9,64 @@ into updates::
         stats = algo.update(batch)   # {"loss/critic": ..., "skipped": 0.0, ...}
     publish(algo.actor)              # the policy the inference servers serve
 
-Adding one is a new module in this folder and one line in :data:`ALGORITHMS`; an
-on-policy one (PPO) subclasses :class:`OnPolicyAlgorithm` and trains on whole rollouts.
+Adding one is a new module in this folder, its options' dataclass in
+:mod:`trainer.algos.options` and one line in :data:`ALGORITHMS`; an on-policy one (PPO)
+subclasses :class:`OnPolicyAlgorithm` and trains on whole rollouts.
+
+This module and :mod:`trainer.algos.options` import no torch: ``loopgate up`` checks a
+config against the registry before it starts anything.
 """
 
 from __future__ import annotations
 
 import abc
 import importlib
-from typing import Any, ClassVar
-
-import torch
-from torch import nn
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gateway.config import build
-from gateway.episode import EnvSpec
+from trainer.algos.options import BCConfig, PPOConfig, SACConfig, check_ppo_experiment
 
-ALGORITHMS: dict[str, str] = {
-    "sac": "trainer.algos.sac:SAC",
-    "bc": "trainer.algos.bc:BehaviourCloning",
-    "ppo": "trainer.algos.ppo:PPO",
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from gateway.episode import EnvSpec
+
+
+@dataclass(frozen=True)
+class Registered:
+    """One algorithm: where its class is, and what checks a config without importing it."""
+
+    algorithm: str
+    """``module:Class`` of the :class:`Algorithm` (imported, with torch, only to train)."""
+    options: type
+    """Frozen dataclass of its options (``trainer.options``)."""
+    check: Callable[[Any, Any], None] | None = None
+    """``check(cfg, options)`` raises ``ConfigError`` for an experiment it cannot train."""
+
+
+ALGORITHMS: dict[str, Registered] = {
+    "sac": Registered("trainer.algos.sac:SAC", SACConfig),
+    "bc": Registered("trainer.algos.bc:BehaviourCloning", BCConfig),
+    "ppo": Registered("trainer.algos.ppo:PPO", PPOConfig, check_ppo_experiment),
 }
 """Algorithms by the name ``trainer.algorithm`` uses."""
+
+
+def registered(name: str) -> Registered:
+    entry = ALGORITHMS.get(name)
+    if entry is None:
+        raise ValueError(
+            f"trainer.algorithm: unknown algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}"
+        )
+    return entry
 
 
 class Algorithm(abc.ABC):
     """Networks + optimizers + the update rule."""
 
-    Config: ClassVar[type]
-    """Frozen dataclass of the algorithm's options (``trainer.options``)."""
     needs_next_obs: ClassVar[bool] = True
     """Whether batches must carry ``next_obs/*`` (TD learning) or not (cloning)."""
 
@@ -85,11 +114,6 @@ class Algorithm(abc.ABC):
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         return None
 
-    @classmethod
-    def check_experiment(cls, cfg: Any, options: Any) -> None:
-        """Refuse (``ConfigError``) an experiment this algorithm cannot train, before anything starts."""
-        return None
-
 
 class OnPolicyAlgorithm(Algorithm):
     """Trains on whole rollouts of the current policy version (``trainer.mode: sync``).
@@ -110,12 +134,8 @@ def make_algorithm(
     name: str, spec: EnvSpec, net_config: Any, options: dict[str, Any], *, device: torch.device
 ) -> Algorithm:
     """Build the algorithm registered as ``name`` with validated options."""
-    target = ALGORITHMS.get(name)
-    if target is None:
-        raise ValueError(
-            f"trainer.algorithm: unknown algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}"
-        )
-    module_name, _, attr = target.partition(":")
+    entry = registered(name)
+    module_name, _, attr = entry.algorithm.partition(":")
     cls: type[Algorithm] = getattr(importlib.import_module(module_name), attr)
-    config = build(cls.Config, options, "trainer.options")
+    config = build(entry.options, options, "trainer.options")
     return cls(spec, net_config, config, device=device)

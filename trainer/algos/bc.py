@@ -9,8 +9,7 @@ the deterministic action.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,26 +18,9 @@ from gateway.episode import EnvSpec
 from networks.modules import make_actor
 from trainer.algos import Algorithm
 from trainer.algos.common import clip_and_check
+from trainer.algos.options import BCConfig
 
 _EDGE = 1e-4  # keeps atanh finite for demonstrated actions on the bounds
-
-
-@dataclass(frozen=True, kw_only=True)
-class BCConfig:
-    """Options of behaviour cloning (``trainer.options`` with ``trainer.algorithm: bc``)."""
-
-    lr: float = 1e-3
-    """Adam learning rate."""
-    loss: Literal["nll", "mse"] = "nll"
-    """Negative log-likelihood of the demonstrated action, or MSE of the deterministic one."""
-    max_grad_norm: float = 10.0
-    """Gradient clipping norm."""
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"trainer.options.lr must be > 0, got {self.lr}")
-        if self.loss not in ("nll", "mse"):
-            raise ValueError(f"trainer.options.loss must be 'nll' or 'mse', got {self.loss!r}")
 
 
 class BehaviourCloning(Algorithm):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,39 +21,7 @@ from gateway.episode import EnvSpec
 from networks.modules import make_actor, make_encoder, mlp
 from trainer.algos import Algorithm
 from trainer.algos.common import clip_groups, soft_update
-
-
-@dataclass(frozen=True, kw_only=True)
-class SACConfig:
-    """Options of SAC (``trainer.options`` with ``trainer.algorithm: sac``)."""
-
-    gamma: float = 0.95
-    """Discount per step (n-step items bring their own ``discount``)."""
-    tau: float = 0.005
-    """Polyak rate of the target critics."""
-    actor_lr: float = 3e-4
-    """Adam learning rate of the actor."""
-    critic_lr: float = 3e-4
-    """Adam learning rate of the critics."""
-    alpha_lr: float = 3e-4
-    """Adam learning rate of the temperature."""
-    init_alpha: float = 1.0
-    """Initial entropy temperature."""
-    target_entropy: float | None = None
-    """Entropy the temperature aims for; default ``-action_dim``."""
-    critic_hidden: tuple[int, ...] | None = None
-    """Critic MLP widths; default the actor's ``hidden_sizes``."""
-    max_grad_norm: float = 10.0
-    """Gradient clipping norm for actor and critics."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"trainer.options.gamma must be in (0, 1], got {self.gamma}")
-        if not 0 < self.tau <= 1:
-            raise ValueError(f"trainer.options.tau must be in (0, 1], got {self.tau}")
-        for name in ("actor_lr", "critic_lr", "alpha_lr", "init_alpha", "max_grad_norm"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"trainer.options.{name} must be > 0, got {getattr(self, name)}")
+from trainer.algos.options import SACConfig
 
 
 class TwinCritic(nn.Module):
@@ -134,8 +101,6 @@ class SACNetworks(nn.Module):
 
 
 class SAC(Algorithm):
-    Config = SACConfig
-
     def __init__(self, spec: EnvSpec, net_config: Any, config: SACConfig, *, device: torch.device) -> None:
         super().__init__(spec, net_config, config, device=device)
         hidden = config.critic_hidden or net_config.hidden_sizes
