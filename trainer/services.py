@@ -76,10 +76,7 @@ def preflight(cfg: ExperimentConfig, spec: Any) -> None:
         )
     from trainer.algos import registered  # no torch: this runs before anything starts
 
-    try:
-        entry = registered(tc.algorithm)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    entry = registered(tc.algorithm)
     options = build(entry.options, dict(tc.options), "trainer.options")
     if entry.check is not None:
         entry.check(cfg, options)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from gateway.config import build
+from gateway.config import ConfigError, build
 from trainer.algos.options import BCConfig, PPOConfig, SACConfig, check_ppo_experiment
 
 if TYPE_CHECKING:
@@ -56,9 +56,10 @@ ALGORITHMS: dict[str, Registered] = {
 
 
 def registered(name: str) -> Registered:
+    """The registry's entry for ``name``; a ``ConfigError`` naming the known ones if none."""
     entry = ALGORITHMS.get(name)
     if entry is None:
-        raise ValueError(
+        raise ConfigError(
             f"trainer.algorithm: unknown algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}"
         )
     return entry
