@@ -149,3 +149,17 @@ def test_a_failing_suite_costs_only_its_own_records(monkeypatch: pytest.MonkeyPa
     assert [r["name"] for r in json.loads(out.read_text())] == ["fake.value"]
     outcome = bench.run_suites(quick=True, repeats=2, only=None)
     assert outcome.failed == ["broken"] and [r.value for r in outcome.records] == [2.0]
+
+
+def test_time_to_80_counts_to_the_end_of_the_round_that_reached_the_bar() -> None:
+    """The main job's time is the round's own end (the gateway's stamp), not when a later
+    metrics record happened to be written or read; a round below the bar does not count."""
+    from benchmarks.learn import _reached
+
+    def row(rate: float | None, t: float = 1_800_000_000.25) -> dict[str, object]:
+        return {"service": "gateway", "env_steps": 10, "eval": {"last": {"success_rate": rate, "t": t}}}
+
+    assert _reached(row(0.8), 0.8) == 1_800_000_000.25
+    assert _reached(row(0.79), 0.8) is None
+    assert _reached(row(None), 0.8) is None
+    assert _reached({"service": "gateway", "env_steps": 10}, 0.8) is None
