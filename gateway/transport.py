@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import logging
 import os
+import select
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.auth
@@ -157,3 +160,22 @@ def recv_within(sock: zmq.Socket[Any], timeout_s: float, limits: Limits | None =
     if not sock.poll(int(max(timeout_s, 0) * 1000)):
         raise Timeout(f"no answer within {timeout_s:.3g} s")
     return recv(sock, limits or Limits())
+
+
+def wait_readable(socks: Sequence[zmq.Socket[Any]], timeout_s: float) -> bool:
+    """Wait until one of ``socks`` has a message, for at most ``timeout_s`` seconds, to the
+    microsecond: ``zmq.poll`` counts whole milliseconds, so a batch due in 200 us would
+    otherwise wait a whole one.
+
+    A socket's ``FD`` only says that its state may have changed (edge-triggered), so its
+    ``EVENTS`` are read before every wait and after every wake.
+    """
+    deadline = time.monotonic() + timeout_s
+    fds = [cast(int, sock.getsockopt(zmq.FD)) for sock in socks]
+    while True:
+        if any(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN for sock in socks):
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        select.select(fds, [], [], left)

@@ -10,7 +10,7 @@ torch modules are in :mod:`networks.modules`::
       backend: onnxruntime              # or torch
       providers: [CUDAExecutionProvider, CPUExecutionProvider]
       max_batch: 256
-      max_wait_us: 500
+      max_wait_us: null                 # 500 on a GPU, 0 on the CPU
       network: {hidden_sizes: [256, 256], activation: relu}
       weights: null                     # random (init_seed), or a .pt / .npz / .onnx file
 
@@ -25,6 +25,9 @@ from typing import Literal
 
 from gateway.config import ConfigError
 from networks.config import NetworkConfig
+
+GPU_MAX_WAIT_US = 500
+"""``max_wait_us`` of a server on a GPU when the config leaves it null."""
 
 KNOWN_PROVIDERS = (
     "TensorrtExecutionProvider",
@@ -75,8 +78,11 @@ class InferenceConfig:
     """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
     max_batch: int = 256
     """Most env rows run in one forward pass."""
-    max_wait_us: int = 500
-    """Longest the first request of a batch waits for more to join it (µs)."""
+    max_wait_us: int | None = None
+    """Longest the first request of a batch waits for more to join it (µs); null:
+    :data:`GPU_MAX_WAIT_US` on a GPU, where a forward pass costs about as much for one row
+    as for hundreds, and 0 on the CPU, where each row costs its share and a request kept
+    waiting for company loses more than the shared pass saves."""
     deadline_ms: float = 1000.0
     """Deadline a request gets at the server (the gateway's own, if sooner, wins)."""
     deterministic: bool = True
@@ -108,6 +114,12 @@ class InferenceConfig:
     metrics_interval_s: float = 1.0
     """Period of each server's record in ``metrics.jsonl``."""
 
+    def max_wait_on(self, device: str) -> int:
+        """``max_wait_us`` for a server whose backend runs on ``device`` (``cpu``, ``cuda:0``)."""
+        if self.max_wait_us is not None:
+            return self.max_wait_us
+        return GPU_MAX_WAIT_US if device.startswith("cuda") else 0
+
     @property
     def slots(self) -> int:
         """Replica indices a run may use: ``max_replicas`` with autoscaling, else ``replicas``."""
@@ -132,7 +144,7 @@ class InferenceConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"inference.{name} must be >= 1, got {value}")
-        if self.max_wait_us < 0:
+        if self.max_wait_us is not None and self.max_wait_us < 0:
             raise ConfigError(f"inference.max_wait_us must be >= 0, got {self.max_wait_us}")
         for name in ("deadline_ms", "heartbeat_s", "metrics_interval_s"):
             if not getattr(self, name) > 0:

@@ -58,7 +58,7 @@ from gateway.protocol import (
     unpack,
 )
 from gateway.protocol.schemas import INFERENCE_REQUEST
-from gateway.transport import CurveKeys, bind, make_socket
+from gateway.transport import CurveKeys, bind, make_socket, wait_readable
 from inference.backends import Backend, LoadedPolicy, make_backend
 from inference.batcher import Batcher, Request, Staged, Stats
 from inference.config import InferenceConfig
@@ -100,7 +100,9 @@ class InferenceServer:
         self.limits = limits or Limits()
         self.metrics = metrics or MetricsWriter(None, f"inference-{index}")
         self.backend = backend or make_backend(spec, config)
-        self.gpu = for_device(str(self.backend.describe().get("device", "cpu")))
+        device = str(self.backend.describe().get("device", "cpu"))
+        self.gpu = for_device(device)
+        self.max_wait_us = config.max_wait_on(device)
         self.device = cuda_ipc.DeviceReader.for_device(
             config.cuda_ipc, self.backend.tensor_device(), self.limits
         )
@@ -112,7 +114,7 @@ class InferenceServer:
             action_shape=tuple(spec.action.shape),
             action_dtype=spec.action.dtype,
             max_batch=config.max_batch,
-            max_wait_us=config.max_wait_us,
+            max_wait_us=self.max_wait_us,
             max_queue_rows=config.max_batch * MAX_QUEUE_BATCHES,
             seed=config.seed + index,
             reply=self.reply,
@@ -424,7 +426,7 @@ class InferenceServer:
             "queue_requests": requests,
             "queue_rows": rows,
             "max_batch": self.config.max_batch,
-            "max_wait_us": self.config.max_wait_us,
+            "max_wait_us": self.max_wait_us,
             "deadline_ms": self.config.deadline_ms,
             "deterministic": self.config.deterministic,
             "cuda_ipc": self.device.declaration() if self.device is not None else None,
@@ -453,13 +455,17 @@ class InferenceServer:
         poller = zmq.Poller()
         for sock in (self._pull, *self.socks.values()):
             poller.register(sock, zmq.POLLIN)
+        watched = [self._pull, *self.socks.values()]
         batcher = self.batcher
         next_metrics = time.monotonic()
         try:
             while not self.stopping.is_set() and not (stop is not None and stop.is_set()):
                 wait = batcher.due(time.monotonic())
                 # Poll at least until the next batch is due; a request arriving ends it sooner.
-                events = dict(poller.poll(100 if wait is None else math.ceil(wait * 1e3)))
+                if wait is not None and 0 < wait < 1e-3:  # zmq.poll would round it up to 1 ms
+                    events = dict(poller.poll(0)) if wait_readable(watched, wait) else {}
+                else:
+                    events = dict(poller.poll(100 if wait is None else math.ceil(wait * 1e3)))
                 if self._pull in events:
                     self._forward()
                 for name, sock in self.socks.items():

@@ -60,12 +60,26 @@ def test_round_trip_through_dump(tmp_path):
         ({"policy": {"kind": "random", "options": {"scale": 2.0}}}, "policy.options"),
         ({"policy": {"kind": "external", "options": {"gain": 1}}}, "policy.kind 'external' takes no options"),
         ({"trainer": {"eval_every": -5}}, "trainer.eval_every must be >= 0 (0: no periodic evaluation)"),
+        ({"inference": {"max_wait_us": -1}}, "inference.max_wait_us must be >= 0, got -1"),
+        ({"inference": {"max_wait_us": "long"}}, "inference.max_wait_us"),
     ],
 )
 def test_invalid_config_names_the_field(data, field):
     with pytest.raises(ConfigError) as info:
         from_dict(data)
     assert field in str(info.value)
+
+
+def test_an_unset_batch_wait_depends_on_where_the_server_runs():
+    """Null: a GPU server waits 500 us for a batch's company, a CPU server none; a value
+    set in the config (or with --set) holds on both."""
+    unset = load_config(CONFIGS / "reach_sim.yaml").inference
+    assert unset.max_wait_us is None
+    assert (unset.max_wait_on("cpu"), unset.max_wait_on("cuda:0"), unset.max_wait_on("cuda")) == (0, 500, 500)
+    set_ = load_config(CONFIGS / "reach_sim.yaml", ["inference.max_wait_us=300"]).inference
+    assert (set_.max_wait_on("cpu"), set_.max_wait_on("cuda:1")) == (300, 300)
+    zero = load_config(CONFIGS / "reach_sim.yaml", ["inference.max_wait_us=0"]).inference
+    assert zero.max_wait_on("cuda:0") == 0
 
 
 def test_bad_override_syntax_is_explained():

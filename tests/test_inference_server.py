@@ -102,6 +102,7 @@ def test_metadata_describes_spec_backend_device_version_and_queue(server):
     assert meta["backend"] == "onnxruntime" and meta["device"] == "cpu"
     assert meta["providers"] == ["CPUExecutionProvider"]
     assert meta["queue_rows"] == 0 and isinstance(meta["version"], int)
+    assert meta["max_wait_us"] == 20_000  # as configured
     assert meta["network"]["hidden_sizes"] == [32, 32]
 
 
@@ -119,6 +120,29 @@ def test_requests_from_many_clients_are_batched_together(server):
         assert reply.arrays["action"].shape == (3, 3) and reply.arrays["policy_version"].shape == (3,)
         answers.append(reply.meta["batch_rows"])
     assert max(answers) > 3  # the server waited for its known clients: they shared a forward pass
+
+
+def test_a_sub_millisecond_wait_for_company_ends_in_an_answer(tmp_path):
+    """``max_wait_us`` under a millisecond is waited to the microsecond (``zmq.poll`` would
+    round it up to a whole one): with two known clients and only one asking, the batch
+    leaves without its company and is answered; asked together, both are answered."""
+    s = Server(tmp_path, "onnxruntime", max_wait_us=300)
+    try:
+        assert s.metadata()["max_wait_us"] == 300
+        a, b = s.dealer(), s.dealer()
+        for i, sock in enumerate((a, b)):  # the server learns that two clients ask
+            assert s.ask(sock, obs_request(1, seq=10 + i)).type is MsgType.ACTION
+        for seq in range(20, 30):
+            reply = s.ask(a, obs_request(2, seq=seq))
+            assert reply.type is MsgType.ACTION and reply.seq == seq and reply.meta["batch_rows"] == 2
+        send(a, obs_request(1, seq=40))
+        send(b, obs_request(1, seq=41))
+        for sock, seq in ((a, 40), (b, 41)):
+            assert sock.poll(10_000), s.log.read_text()
+            reply = recv(sock)
+            assert reply.type is MsgType.ACTION and reply.seq == seq
+    finally:
+        s.close()
 
 
 @pytest.mark.parametrize(
@@ -299,7 +323,9 @@ def test_the_torch_backend_serves_and_takes_both_weight_formats(tmp_path):
     s = Server(tmp_path, "torch")
     pub = publisher(s)
     try:
-        assert s.metadata()["backend"] == "torch"
+        meta = s.metadata()
+        assert meta["backend"] == "torch"
+        assert meta["max_wait_us"] == 0  # left null, on a CPU: no wait for a batch's company
         actor = make_actor(SPEC, NetworkConfig(hidden_sizes=(32, 32)), seed=2)
         assert pub.publish(state_dict_numpy(actor), 1)[0]["ok"]
         assert pub.publish_onnx(export_onnx(actor), 2)[0]["ok"]

@@ -1,0 +1,79 @@
+"""``gateway.transport.wait_readable``: waits on real ZeroMQ sockets to the microsecond.
+
+``zmq.poll`` counts whole milliseconds; the inference server waits for a batch's
+company with this instead, for waits under one. These tests check what it answers, not
+how fast (that is the benchmarks' business): a message already there, one that comes
+during the wait, on any of several sockets, and none at all.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from gateway.transport import wait_readable
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any], zmq.Socket[Any]]]:
+    """A ROUTER with one DEALER connected over TCP, and an idle PULL socket beside it."""
+    ctx = zmq.Context.instance()
+    router, dealer, idle = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER), ctx.socket(zmq.PULL)
+    for sock in (router, dealer, idle):
+        sock.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    idle.bind(f"inproc://idle-{id(idle):x}")
+    try:
+        yield router, dealer, idle
+    finally:
+        for sock in (router, dealer, idle):
+            sock.close(linger=0)
+
+
+def test_nothing_to_read_ends_the_wait_false(pair):
+    router, _, idle = pair
+    assert wait_readable([idle, router], 0.02) is False
+    assert wait_readable([idle, router], 0.0) is False
+
+
+def test_a_message_already_queued_is_seen_and_left_for_the_reader(pair):
+    router, dealer, idle = pair
+    dealer.send(b"hello")
+    assert router.poll(10_000)  # arrived
+    assert wait_readable([idle, router], 0.0005) is True
+    assert router.recv_multipart()[1] == b"hello"  # still there: only looked at
+
+
+def test_a_message_arriving_during_the_wait_ends_it_early(pair):
+    """The wait ends when the message comes, not at its deadline (20 s here)."""
+    router, dealer, idle = pair
+    dealer.send(b"warm-up")  # the TCP connection is up before the timed wait starts
+    assert router.poll(10_000)
+    router.recv_multipart()
+    sender = threading.Timer(0.05, lambda: dealer.send(b"late"))
+    t0 = time.monotonic()
+    sender.start()
+    try:
+        assert wait_readable([idle, router], 20.0) is True
+    finally:
+        sender.join()
+    assert time.monotonic() - t0 < 15.0, "waited out its deadline instead of waking on the message"
+    assert router.recv_multipart()[1] == b"late"
+
+
+def test_a_socket_that_was_read_dry_waits_again(pair):
+    """The sockets' descriptors are edge-triggered: reading every message leaves nothing
+    readable, and the next wait must not take the old edge for a new message."""
+    router, dealer, idle = pair
+    for i in range(3):
+        dealer.send(b"%d" % i)
+    for _ in range(3):
+        assert router.poll(10_000)
+        router.recv_multipart()
+    assert wait_readable([idle, router], 0.02) is False
