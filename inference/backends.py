@@ -250,8 +250,9 @@ class TorchBackend(Backend):
         }
         self._skeleton: Any = None
         """A parameterless actor built ahead of the next version (:meth:`prepare`)."""
-        # The first network built on the meta device imports torch's compiler stack
-        # (about a second): pay it at start-up, not in the first weight swap.
+        # The first network built on the meta device may import torch's compiler stack (a
+        # CNN encoder sizes itself with a forward pass there; about a second): pay it at
+        # start-up, not in the first weight swap.
         self.prepare()
 
     def _meta_actor(self) -> Any:

@@ -102,12 +102,15 @@ class Actor(nn.Module):
         self.encoder = ObsEncoder(spec, config)
         self.trunk = mlp(self.encoder.out_features, config.hidden_sizes, config.activation)
         self.head = nn.Linear(config.hidden_sizes[-1], 2 * self.action_dim)
-        low = torch.as_tensor(np.asarray(spec.action.low, np.float32))
-        high = torch.as_tensor(np.asarray(spec.action.high, np.float32))
+        # The bounds' arithmetic in numpy: on the meta device (the inference server builds
+        # skeletons there) torch runs it through Python references that import torch's
+        # compiler stack, about a second of a server's start-up.
+        low = np.asarray(spec.action.low, np.float32)
+        high = np.asarray(spec.action.high, np.float32)
         self.action_mid: torch.Tensor
         self.action_half: torch.Tensor
-        self.register_buffer("action_mid", (high + low) / 2, persistent=False)
-        self.register_buffer("action_half", (high - low) / 2, persistent=False)
+        self.register_buffer("action_mid", torch.as_tensor((high + low) / 2), persistent=False)
+        self.register_buffer("action_half", torch.as_tensor((high - low) / 2), persistent=False)
 
     def distribution(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mean, log_std)`` of the pre-tanh Gaussian, each ``[B, action_dim]``."""

@@ -202,3 +202,26 @@ def test_the_inference_block_validates_and_names_the_field():
             from_dict({"inference": bad})
     assert math.isclose(from_dict({}).inference.deadline_ms, 1000.0)
     assert from_dict({}).inference.enabled is False
+
+
+def test_a_torch_server_for_state_observations_starts_without_torchs_compiler_stack():
+    """The server builds each next version's skeleton on the meta device at start-up; the
+    actor's bounds arithmetic there used to import ``torch._dynamo`` (about a second of
+    start-up before the first action). A fresh interpreter, as a server starts."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from gateway.factory import experiment_spec\n"
+        "from inference.backends import TorchBackend\n"
+        "from inference.config import InferenceConfig\n"
+        "from networks.config import NetworkConfig\n"
+        "backend = TorchBackend(experiment_spec('mujoco_reach', {}),\n"
+        "    InferenceConfig(backend='torch', network=NetworkConfig(hidden_sizes=(32, 32))))\n"
+        "policy = backend.from_state_dict({k: v.numpy() for k, v in backend.template.state_dict().items()}, 1)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
