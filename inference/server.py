@@ -53,12 +53,14 @@ from gateway.protocol import (
     ProtocolError,
     encode,
     error_message,
+    recv_frames,
     recv_routed,
     send,
+    send_frames,
     unpack,
 )
 from gateway.protocol.schemas import INFERENCE_REQUEST
-from gateway.transport import CurveKeys, bind, make_socket, wait_readable
+from gateway.transport import CurveKeys, bind, make_socket, readable, wait_readable
 from inference.backends import Backend, LoadedPolicy, make_backend
 from inference.batcher import Batcher, Request, Staged, Stats
 from inference.config import InferenceConfig
@@ -158,7 +160,7 @@ class InferenceServer:
     def reply(self, tag: bytes, route: bytes, msg: Message) -> None:
         """Answer from any thread: sent at once on the socket thread, queued for it elsewhere."""
         if threading.get_ident() == self._socket_thread:
-            self._by_tag[tag].send_multipart([route, *encode(msg)], copy=False)
+            send_frames(self._by_tag[tag], [route, *encode(msg)])
             return
         self._push([tag, route, *encode(msg)])
 
@@ -174,17 +176,17 @@ class InferenceServer:
             with self._push_lock:
                 self._pushes.append(push)
             self._local.push = push
-        push.send_multipart(frames, copy=False)
+        send_frames(push, frames)
 
     def _forward(self) -> None:
         for _ in range(1000):
             try:
-                tag, *rest = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                tag, *rest = recv_frames(self._pull, zmq.NOBLOCK)
             except zmq.Again:
                 return
             if rest:  # else a wake-up: the loop applies staged versions after this
                 route, *frames = rest
-                self._by_tag[tag.bytes].send_multipart([route, *frames], copy=False)
+                send_frames(self._by_tag[tag.bytes], [route, *frames])
 
     def _error(self, name: str, route: bytes, exc: ProtocolError, seq: int = 0) -> None:
         self.stats.error(exc.code.value)
@@ -472,7 +474,7 @@ class InferenceServer:
                     if sock in events:
                         for _ in range(256):
                             self._on_message(name)
-                            if not sock.poll(0):
+                            if not readable(sock):
                                 break
                 batcher.apply_changes()
                 if batcher.due(time.monotonic()) == 0:

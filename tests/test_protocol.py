@@ -25,7 +25,10 @@ from gateway.protocol import (
     error_message,
     raise_for_error,
     recv,
+    recv_frames,
+    recv_routed,
     send,
+    send_frames,
 )
 
 pytestmark = pytest.mark.unit
@@ -99,6 +102,42 @@ def test_mutated_valid_header_only_ever_raises_protocol_error(noise, position):
     head[position % len(head) : position % len(head) + len(noise)] = noise
     with contextlib.suppress(ProtocolError):
         decode([bytes(head), *good[1:]])
+
+
+def test_frames_go_whole_through_a_router_and_back_in_order():
+    """``send_frames``/``recv_frames`` (the codec's own multipart loops) over real TCP
+    sockets: every frame in order, routing frames included, a received frame forwarded as
+    it is, a large array without a copy; an empty socket under NOBLOCK raises ``Again``."""
+    ctx = zmq.Context.instance()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.linger = dealer.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        big = np.arange(1 << 17, dtype=np.float64)
+        parts = [b"", b"one", memoryview(b"two"), big.view(np.uint8), b"four"]
+        send_frames(dealer, parts)
+        assert router.poll(5000)
+        got = recv_frames(router)
+        peer = got[0].bytes
+        assert [f.bytes for f in got[1:3]] == [b"", b"one"] and got[3].bytes == b"two"
+        np.testing.assert_array_equal(np.frombuffer(got[4].buffer, np.float64), big)
+        assert got[5].bytes == b"four" and not got[5].more and len(got) == 6
+        send_frames(router, [peer, *got[1:]], zmq.NOBLOCK)  # forwarded Frames, as the server does
+        assert dealer.poll(5000)
+        back = recv_frames(dealer, zmq.NOBLOCK)
+        assert [f.bytes for f in back] == [b"", b"one", b"two", big.tobytes(), b"four"]
+        send(dealer, Message(MsgType.OBSERVATION, seq=3, arrays={"obs/x": big}))
+        assert router.poll(5000)
+        who, msg, err = recv_routed(router)
+        assert who == peer and err is None and msg is not None and msg.seq == 3
+        with pytest.raises(zmq.Again):
+            recv_frames(dealer, zmq.NOBLOCK)
+        with pytest.raises(ValueError, match="at least one frame"):
+            send_frames(dealer, [])
+    finally:
+        router.close()
+        dealer.close()
 
 
 def test_arrays_are_received_without_copies():

@@ -60,18 +60,11 @@ from gateway.protocol import (
 from gateway.protocol.schemas import WORKER_OBSERVATION
 from gateway.recorder import Recorder
 from gateway.steps import StepInfo
-from gateway.transport import CurveKeys, bind, make_socket
+from gateway.transport import CurveKeys, bind, make_socket, readable
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05
-_POLLIN = int(zmq.POLLIN)
-
-
-def readable(sock: zmq.Socket[Any]) -> bool:
-    """Whether a message waits on ``sock``: its events, without ``poll(0)``'s Poller built
-    per call or an enum made by ``& zmq.POLLIN``."""
-    return bool(int(sock.getsockopt(zmq.EVENTS)) & _POLLIN)
 
 
 class Gateway:

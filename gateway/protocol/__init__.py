@@ -10,8 +10,10 @@ from gateway.protocol.codec import (
     decode,
     encode,
     recv,
+    recv_frames,
     recv_routed,
     send,
+    send_frames,
 )
 from gateway.protocol.errors import ErrorCode, ProtocolError, RemoteError, RunEnded, Timeout
 from gateway.protocol.messages import (
@@ -41,8 +43,10 @@ __all__ = [
     "pack",
     "raise_for_error",
     "recv",
+    "recv_frames",
     "recv_routed",
     "send",
+    "send_frames",
     "unpack",
 ]
 

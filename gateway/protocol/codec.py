@@ -13,8 +13,8 @@ Decoding checks everything a peer controls and raises :class:`ProtocolError` nam
 the problem; it never raises anything else for any input (property-tested)::
 
     frames = encode(Message(MsgType.OBSERVATION, seq=7, arrays={"obs/q": q}))
-    sock.send_multipart(frames, copy=False)
-    msg = decode(sock.recv_multipart(copy=False), Limits())
+    send_frames(sock, frames)
+    msg = decode(recv_frames(sock), Limits())
 """
 
 from __future__ import annotations
@@ -222,17 +222,51 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     return Message(msg_type, seq=seq, meta=meta, arrays=arrays)
 
 
+_SNDMORE = int(zmq.SNDMORE)
+
+
+def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) -> None:
+    """``sock.send_multipart(frames, flags, copy=False)``: arrays leave from their own
+    memory (pyzmq still copies frames under its ``copy_threshold``).
+
+    pyzmq's own does an enum operation per frame (``SNDMORE | flags``), which costs more
+    than sending the frame: 6.1 against 2.5 us for a four-frame action.
+    """
+    if not frames:
+        raise ValueError("a message has at least one frame")
+    flags = int(flags)
+    more = flags | _SNDMORE
+    last = len(frames) - 1
+    for i in range(last):
+        sock.send(frames[i], more, copy=False)
+    sock.send(frames[last], flags, copy=False)
+
+
+def recv_frames(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:
+    """``sock.recv_multipart(flags, copy=False)``, asking each frame whether more follow
+    (``Frame.more``) instead of the socket (``RCVMORE``, an enum-typed option): 3.2
+    against 7.7 us for a five-frame observation. A multipart message arrives whole, so
+    its later frames never wait."""
+    flags = int(flags)
+    frame = sock.recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(flags, copy=False)
+        frames.append(frame)
+    return frames
+
+
 def send(sock: zmq.Socket[Any], msg: Message, route: Sequence[bytes] = (), flags: int = 0) -> None:
     """Send ``msg`` (after optional ROUTER routing frames) without copying arrays."""
     frames = encode(msg)
     if route:
         frames = [*route, *frames]
-    sock.send_multipart(frames, flags=flags, copy=False)
+    send_frames(sock, frames, flags)
 
 
 def recv(sock: zmq.Socket[Any], limits: Limits = DEFAULT_LIMITS, flags: int = 0) -> Message:
     """Receive and decode one message from a DEALER/PAIR-style socket."""
-    return decode(sock.recv_multipart(flags=flags, copy=False), limits)
+    return decode(recv_frames(sock, flags), limits)
 
 
 def recv_routed(
@@ -243,7 +277,7 @@ def recv_routed(
     The routing frame is split off before decoding so a malformed message can still
     be answered to the peer that sent it.
     """
-    frames = sock.recv_multipart(flags=flags, copy=False)
+    frames = recv_frames(sock, flags)
     peer = frames[0].bytes
     try:
         return peer, decode(frames[1:], limits), None
