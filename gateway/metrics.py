@@ -24,6 +24,9 @@ class Histogram:
     """Log-bucketed histogram of positive values (e.g. latencies in µs), ~2 % resolution."""
 
     GROWTH = 1.04
+    _LOG_GROWTH = math.log(GROWTH)
+    """``math.log(x, GROWTH)`` is ``math.log(x) / math.log(GROWTH)``, to the bit: one log per
+    value instead of two, on the gateway's per-step path (several hops a step)."""
 
     def __init__(self) -> None:
         self.counts: Counter[int] = Counter()
@@ -32,13 +35,16 @@ class Histogram:
         self.max = 0.0
 
     def _bucket(self, value: float) -> int:
-        return int(math.log(max(value, 1e-9), self.GROWTH)) if value > 0 else -10_000
+        if value <= 0:
+            return -10_000
+        return int(math.log(value if value > 1e-9 else 1e-9) / self._LOG_GROWTH)
 
     def add(self, value: float) -> None:
         self.counts[self._bucket(value)] += 1
         self.n += 1
         self.total += value
-        self.max = max(self.max, value)
+        if value > self.max:
+            self.max = value
 
     def add_array(self, values: Any) -> None:
         """:meth:`add` every value of ``values`` in one numpy pass (a batch of thousands of

@@ -209,6 +209,13 @@ def test_a_histogram_fed_a_batch_at_once_equals_one_fed_value_by_value():
     assert batch.counts == one.counts and batch.n == one.n and batch.max == one.max
     assert batch.total == pytest.approx(one.total)
     assert batch.percentile(50) == one.percentile(50) and batch.percentile(99) == one.percentile(99)
+    # The buckets are those records of earlier runs were counted in (two-argument log),
+    # at bucket boundaries too: histograms merge across versions exactly.
+    import math
+
+    edges = [1.04**k for k in range(-600, 600)] + [math.nextafter(1.04**k, 0) for k in range(-600, 600)]
+    for v in [*values.tolist(), *edges, 1e-9, 2e-9, 5e-10]:
+        assert one._bucket(v) == (int(math.log(max(v, 1e-9), 1.04)) if v > 0 else -10_000), v
 
 
 def test_the_policy_lag_of_a_batch_is_each_steps_lag():
