@@ -18,6 +18,7 @@ completes the handshake, so it can neither send nor receive.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import time
@@ -163,6 +164,8 @@ def recv_within(sock: zmq.Socket[Any], timeout_s: float, limits: Limits | None =
 
 
 _POLLIN = int(zmq.POLLIN)
+SELECT_FD_LIMIT = 1024
+"""``select`` takes descriptors below ``FD_SETSIZE`` only."""
 
 
 def readable(sock: zmq.Socket[Any]) -> bool:
@@ -187,4 +190,6 @@ def wait_readable(socks: Sequence[zmq.Socket[Any]], timeout_s: float) -> bool:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
+        if max(fds) >= SELECT_FD_LIMIT:  # past what select takes: whole milliseconds, as zmq.poll
+            return bool(zmq.zmq_poll([(sock, _POLLIN) for sock in socks], math.ceil(left * 1e3)))
         select.select(fds, [], [], left)

@@ -455,9 +455,9 @@ class InferenceServer:
         loader = threading.Thread(target=self._guarded(self._load_loop), name="loader", daemon=True)
         loader.start()
         poller = zmq.Poller()
-        for sock in (self._pull, *self.socks.values()):
-            poller.register(sock, zmq.POLLIN)
         watched = [self._pull, *self.socks.values()]
+        for sock in watched:
+            poller.register(sock, zmq.POLLIN)
         batcher = self.batcher
         next_metrics = time.monotonic()
         try:

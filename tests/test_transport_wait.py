@@ -77,3 +77,20 @@ def test_a_socket_that_was_read_dry_waits_again(pair):
         assert router.poll(10_000)
         router.recv_multipart()
     assert wait_readable([idle, router], 0.02) is False
+
+
+def test_descriptors_past_selects_limit_wait_in_whole_milliseconds(pair, monkeypatch):
+    """``select`` refuses descriptors from ``FD_SETSIZE`` on (a process with many open
+    files): the wait falls back to ``zmq.poll`` and still answers both ways."""
+    import gateway.transport as transport
+
+    router, dealer, idle = pair
+    monkeypatch.setattr(transport, "SELECT_FD_LIMIT", 0)  # every descriptor is past it
+    assert wait_readable([idle, router], 0.0005) is False
+    sender = threading.Timer(0.05, lambda: dealer.send(b"late"))
+    sender.start()
+    try:
+        assert wait_readable([idle, router], 20.0) is True
+    finally:
+        sender.join()
+    assert router.recv_multipart()[1] == b"late"
