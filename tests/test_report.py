@@ -60,6 +60,23 @@ def test_report_trace_follows_sampled_steps_across_processes(collected, tmp_path
         assert all(e["dur"] >= 0 for e in parts)
 
 
+def test_a_saturated_gateway_is_at_most_all_of_the_time_busy(tmp_path):
+    """The first record's ``busy_s`` leaves out the loop turn it was written in, which the
+    last one counts: a gateway busy all the time came out a few tenths over 100 %."""
+    from gateway.report import stages
+
+    (tmp_path / "config.yaml").write_text("env: {backend: mujoco_reach, workers: 2, num_envs: 4}\n")
+    hops = {"gateway": {"p50": 250.0}, "env_step": {"p50": 140.0}}
+    records = [
+        {"t": 100.0, "service": "gateway", "env_steps": 0, "busy_s": 1.0, "hops_us": hops},
+        {"t": 110.0, "service": "gateway", "env_steps": 50_000, "busy_s": 11.03, "hops_us": hops},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    found, _ = stages(tmp_path)
+    gateway = next(s for s in found if s.name == "gateway")
+    assert gateway.busy == 1.0 and gateway.throughput == 5000.0
+
+
 def test_report_of_a_folder_that_is_no_run_says_so(tmp_path):
     out = loopgate("report", str(tmp_path))
     assert out.returncode == 2 and "is not a run folder" in out.stderr
