@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -104,16 +106,26 @@ def test_mutated_valid_header_only_ever_raises_protocol_error(noise, position):
         decode([bytes(head), *good[1:]])
 
 
+@contextlib.contextmanager
+def tcp_pair(bound: int, connected: int) -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
+    """A socket of type ``bound`` on a free loopback port and one of type ``connected`` dialled to it."""
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(bound), ctx.socket(connected)
+    a.linger = b.linger = 0
+    port = a.bind_to_random_port("tcp://127.0.0.1")
+    b.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
 def test_frames_go_whole_through_a_router_and_back_in_order():
     """``send_frames``/``recv_frames`` (the codec's own multipart loops) over real TCP
     sockets: every frame in order, routing frames included, a received frame forwarded as
     it is, a large array without a copy; an empty socket under NOBLOCK raises ``Again``."""
-    ctx = zmq.Context.instance()
-    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    router.linger = dealer.linger = 0
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    try:
+    with tcp_pair(zmq.ROUTER, zmq.DEALER) as (router, dealer):
         big = np.arange(1 << 17, dtype=np.float64)
         parts = [b"", b"one", memoryview(b"two"), big.view(np.uint8), b"four"]
         send_frames(dealer, parts)
@@ -135,18 +147,10 @@ def test_frames_go_whole_through_a_router_and_back_in_order():
             recv_frames(dealer, zmq.NOBLOCK)
         with pytest.raises(ValueError, match="at least one frame"):
             send_frames(dealer, [])
-    finally:
-        router.close()
-        dealer.close()
 
 
 def test_arrays_are_received_without_copies():
-    ctx = zmq.Context.instance()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    a.linger = b.linger = 0
-    port = a.bind_to_random_port("tcp://127.0.0.1")
-    b.connect(f"tcp://127.0.0.1:{port}")
-    try:
+    with tcp_pair(zmq.PAIR, zmq.PAIR) as (a, b):
         big = np.arange(1 << 18, dtype=np.float32)
         send(a, Message(MsgType.OBSERVATION, arrays={"obs/x": big}))
         assert b.poll(5000)
@@ -157,9 +161,6 @@ def test_arrays_are_received_without_copies():
         while isinstance(base, np.ndarray):
             base = base.base
         assert isinstance(base, memoryview) and isinstance(base.obj, zmq.Frame)
-    finally:
-        a.close()
-        b.close()
 
 
 MALFORMED = {
