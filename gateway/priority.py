@@ -100,10 +100,15 @@ def zmq_io_threads() -> list[int]:
     return sorted(found)
 
 
-def go_realtime(priority: int, what: str, *, every_thread: bool = False) -> bool:
+def go_realtime(priority: int, what: str, *, every_thread: bool = False, io_above: bool = True) -> bool:
     """Run the calling thread and this process's ZeroMQ I/O threads (``every_thread``: every
     thread of the process) at ``SCHED_FIFO`` ``priority``, the I/O threads one above it
-    (where allowed); whether it took (``0``: leave them as they are). Threads started
+    (where allowed; ``io_above=False``: at it); whether it took (``0``: leave them as they
+    are). One above suits a loop that sends one message and goes on with other work (the
+    gateway's ACTION, then its bookkeeping): the message leaves at once. At the same
+    priority the I/O thread runs once the loop waits, which suits a loop that sends many
+    messages in a row (an inference server answering a batch): they leave together,
+    instead of the I/O thread taking the core back at every one of them. Threads started
     later inherit the priority of the thread that starts them, a context's I/O thread
     included (it starts with the context's first socket). Where real-time scheduling is
     not allowed this logs once what would allow it and changes nothing."""
@@ -125,7 +130,7 @@ def go_realtime(priority: int, what: str, *, every_thread: bool = False) -> bool
     # One step above the rest: a message handed to ZeroMQ leaves at once, while the thread
     # that sent it keeps the core for what it does next (the gateway's bookkeeping after
     # an ACTION); at the same priority the send would wait for that thread to block.
-    io_priority = min(priority + 1, os.sched_get_priority_max(os.SCHED_FIFO))
+    io_priority = min(priority + int(io_above), os.sched_get_priority_max(os.SCHED_FIFO))
     io_param = os.sched_param(io_priority if may_use_realtime(io_priority) else priority)
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, param)
