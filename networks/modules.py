@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from gateway.episode import EnvSpec
-from networks.config import NetworkConfig, conv_layers, is_image, network_problems
+from networks.config import NetworkConfig, cnn_output_hw, conv_layers, is_image, network_problems
 
 __all__ = ["Actor", "NetworkConfig", "ObsEncoder", "export_onnx", "make_actor", "make_encoder"]
 
@@ -54,8 +54,16 @@ class ImageEncoder(nn.Module):
             layers += [nn.Conv2d(channels, out, kernel, stride), _ACTIVATIONS[config.activation]()]
             channels = out
         self.convs = nn.Sequential(*layers)
-        with torch.no_grad():
-            flat = self.convs(torch.zeros(1, shape[2], height, width)).numel()
+        # Sized by arithmetic, not by a forward pass: on the meta device (the inference
+        # server's skeletons) a convolution runs through Python references that import
+        # torch's compiler stack, about a second of a server's start-up.
+        out_h, out_w = cnn_output_hw(height, width, config.cnn_channels)
+        if out_h < 1 or out_w < 1:
+            raise ValueError(
+                f"a {height}x{width} image is too small for {len(config.cnn_channels)} conv layers "
+                f"(kernels 8, 4, then 3); use fewer inference.network.cnn_channels or larger images"
+            )
+        flat = channels * out_h * out_w
         self.project = nn.Sequential(nn.Linear(flat, config.cnn_features), nn.LayerNorm(config.cnn_features))
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:

@@ -204,10 +204,16 @@ def test_the_inference_block_validates_and_names_the_field():
     assert from_dict({}).inference.enabled is False
 
 
-def test_a_torch_server_for_state_observations_starts_without_torchs_compiler_stack():
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"camera": True, "image_height": 64, "image_width": 48}],
+    ids=["state", "camera"],
+)
+def test_a_torch_server_starts_without_torchs_compiler_stack(options):
     """The server builds each next version's skeleton on the meta device at start-up; the
-    actor's bounds arithmetic there used to import ``torch._dynamo`` (about a second of
-    start-up before the first action). A fresh interpreter, as a server starts."""
+    actor's bounds arithmetic there, and a CNN encoder sizing itself with a forward pass,
+    used to import ``torch._dynamo`` (about a second of start-up before the first action).
+    A fresh interpreter, as a server starts."""
     import subprocess
     import sys
 
@@ -217,7 +223,7 @@ def test_a_torch_server_for_state_observations_starts_without_torchs_compiler_st
         "from inference.backends import TorchBackend\n"
         "from inference.config import InferenceConfig\n"
         "from networks.config import NetworkConfig\n"
-        "backend = TorchBackend(experiment_spec('mujoco_reach', {}),\n"
+        f"backend = TorchBackend(experiment_spec('mujoco_reach', {options!r}),\n"
         "    InferenceConfig(backend='torch', network=NetworkConfig(hidden_sizes=(32, 32))))\n"
         "policy = backend.from_state_dict({k: v.numpy() for k, v in backend.template.state_dict().items()}, 1)\n"
         "print('torch._dynamo' in sys.modules)\n"
@@ -225,3 +231,28 @@ def test_a_torch_server_for_state_observations_starts_without_torchs_compiler_st
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("shape", "channels"),
+    [((64, 48, 3), (32, 64, 64)), ((96, 96, 1), (16, 32)), ((37, 53, 4), (8,)), ((52, 52, 3), (8, 8, 8, 8))],
+)
+def test_an_image_encoder_sized_by_arithmetic_fits_what_its_convolutions_give(shape, channels):
+    """The projection's input size comes from the conv arithmetic; a real forward pass on
+    the CPU gives exactly that many features, and the encoder runs end to end."""
+    from networks.modules import ImageEncoder
+
+    config = NetworkConfig(hidden_sizes=(16,), cnn_channels=channels, cnn_features=8)
+    encoder = ImageEncoder(shape, config)
+    images = torch.zeros(2, *shape, dtype=torch.uint8)
+    with torch.no_grad():
+        convolved = encoder.convs(images.permute(0, 3, 1, 2).float())
+        assert convolved[0].numel() == encoder.project[0].in_features
+        assert encoder(images).shape == (2, 8)
+
+
+def test_an_image_too_small_for_the_convolutions_is_refused_by_name():
+    from networks.modules import ImageEncoder
+
+    with pytest.raises(ValueError, match="36x36 image is too small for 4 conv layers"):
+        ImageEncoder((36, 36, 3), NetworkConfig(hidden_sizes=(16,), cnn_channels=(8, 8, 8, 8)))
