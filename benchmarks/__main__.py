@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import suites
+from benchmarks.procs import code_version
 from benchmarks.records import Record, Result, finish, select
 
 log = logging.getLogger("loopgate.bench")
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     results = finish(outcome.records)
     title = (
         f"loopgate bench{' --quick' if args.quick else ''}: medians of {repeats} repeat(s), "
-        f"{time.monotonic() - started:.0f} s, {cpus} CPU(s), load {load:.1f} at start"
+        f"{time.monotonic() - started:.0f} s, {cpus} CPU(s), load {load:.1f} at start; "
+        f"code: {code_version()}"
     )
     if outcome.failed:
         title += f"; FAILED suites: {', '.join(outcome.failed)}"

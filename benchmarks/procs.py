@@ -31,6 +31,30 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
 
 
+def code_version(root: Path = REPO) -> str:
+    """Which code a run measures: the checkout ``root`` and its commit, and whether files
+    differ from it. Benchmarks compare versions; with one environment serving several
+    checkouts, the package imported is not always the one in the working directory."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"{root} (not a git checkout)"
+    return f"{root} at {head}" + (" with uncommitted changes" if dirty else "")
+
+
 def available_cpus() -> list[int]:
     """CPUs this process may run on, in order."""
     return sorted(os.sched_getaffinity(0))

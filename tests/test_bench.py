@@ -163,3 +163,26 @@ def test_time_to_80_counts_to_the_end_of_the_round_that_reached_the_bar() -> Non
     assert _reached(row(0.79), 0.8) is None
     assert _reached(row(None), 0.8) is None
     assert _reached({"service": "gateway", "env_steps": 10}, 0.8) is None
+
+
+@pytest.mark.unit
+def test_the_bench_names_the_checkout_and_commit_it_measures(tmp_path):
+    """Comparing versions means knowing which code ran: the checkout, its commit, and
+    whether tracked files differ from it; a folder outside git says so."""
+    from benchmarks.procs import code_version
+
+    repo = tmp_path / "checkout"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.org"]
+    subprocess.run([*git, "init", "-q"], check=True, timeout=30)
+    (repo / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True, timeout=30)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True, timeout=30)
+    head = subprocess.run(
+        [*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout.strip()
+    assert code_version(repo) == f"{repo} at {head}"
+    (repo / "a.py").write_text("x = 2\n")
+    assert code_version(repo) == f"{repo} at {head} with uncommitted changes"
+    (tmp_path / "plain").mkdir()
+    assert code_version(tmp_path / "plain") == f"{tmp_path / 'plain'} (not a git checkout)"
