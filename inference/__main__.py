@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         # threads started later inherit it. ZeroMQ's I/O thread at the serving loop's own
         # priority: a batch's answers leave together once the loop waits for the next
         # requests, rather than the I/O thread taking the core back at every answer (16
-        # single-row clients: 9 200-9 400 rows/s against 7 700-7 900 one priority above).
+        # single-row clients, alternating runs: 7 900-9 400 rows/s against 5 700-7 900
+        # with the I/O thread one priority above).
         go_realtime(server.realtime_priority, f"inference-{server.index}", every_thread=True, io_above=False)
         server.serve()
     finally:
