@@ -142,3 +142,24 @@ def go_realtime(priority: int, what: str, *, every_thread: bool = False, io_abov
         return False
     log.info("%s at real-time priority %d (SCHED_FIFO), %d thread(s)", what, priority, len(set(others)) or 1)
     return True
+
+
+def step_below_realtime_peers(what: str) -> bool:
+    """Run the calling thread one ``SCHED_FIFO`` priority below the rest of its process
+    (a thread inherits its starter's); whether it took (not real-time, or at priority 1:
+    nothing to do). Threads of equal real-time priority never preempt each other, so on a
+    saturated core a thread doing long work in the background (an inference server's
+    loader building a new version) would hold the ones that answer requests up until it
+    blocks; one step below, they preempt it whenever they are woken."""
+    if os.sched_getscheduler(0) != os.SCHED_FIFO:
+        return False
+    priority = os.sched_getparam(0).sched_priority
+    if priority <= 1:
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority - 1))
+    except OSError as exc:
+        log.warning("%s stays at real-time priority %d: %s", what, priority, exc)
+        return False
+    log.info("%s at real-time priority %d, below the threads that serve", what, priority - 1)
+    return True

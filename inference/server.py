@@ -45,6 +45,7 @@ from gateway.config import to_plain
 from gateway.episode import EnvSpec
 from gateway.gpu_stats import for_device
 from gateway.metrics import MetricsWriter
+from gateway.priority import step_below_realtime_peers
 from gateway.protocol import (
     ErrorCode,
     Limits,
@@ -347,6 +348,9 @@ class InferenceServer:
         self.reply(TAGS["weights"], route, error_message(exc.code.value, exc.message, seq))
 
     def _load_loop(self) -> None:
+        # Below the socket thread and ZeroMQ's I/O thread: building a version is long,
+        # CPU-bound work, and at their priority it would hold answers up until it blocks.
+        step_below_realtime_peers("the weights loader")
         self.backend.prepare()
         while not self.stopping.is_set():
             try:

@@ -59,6 +59,17 @@ def thread_priorities(pid: int) -> dict[str, int]:
     return {name: next(iter(p)) if len(p) == 1 else -1 for name, p in found.items()}
 
 
+def every_priority(pid: int) -> list[int]:
+    """The real-time priority of each thread of process ``pid``."""
+    found = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found.append(os.sched_getparam(int(tid)).sched_priority)
+        except OSError:  # the thread ended meanwhile
+            continue
+    return found
+
+
 def pid_of(pattern: str, run: Path) -> int:
     found = subprocess.run(["pgrep", "-f", f"{pattern}.*{run}"], capture_output=True, text=True)
     pids = [int(p) for p in found.stdout.split()]
@@ -109,7 +120,12 @@ def test_the_gateway_its_policy_and_the_consoles_estop_path_run_at_real_time_pri
             # loop goes on. The inference server's at its loop's own: a batch's answers
             # leave together once the loop waits.
             assert thread_priorities(gateway) == {"ZMQbg/IO/0": priority + 1, "other": priority}
-            assert thread_priorities(inference) == {"ZMQbg/IO/0": priority, "other": priority}
+            # Its weights loader one step below the threads that answer requests.
+            wait_for(lambda: priority - 1 in every_priority(inference), what="the loader one step down")
+            assert sorted(every_priority(inference)) == [
+                priority - 1,
+                *[priority] * (len(os.listdir(f"/proc/{inference}/task")) - 1),
+            ]
             # The event loop is the console's main thread; its I/O threads follow it.
             wait_for(lambda: console in realtime_threads(console), what="the console's event loop")
             assert len(realtime_threads(console)) >= 2
@@ -158,3 +174,31 @@ def test_realtime_priority_outside_0_to_99_is_a_config_error():
         with pytest.raises(ConfigError, match=r"run\.realtime_priority"):
             RunConfig(realtime_priority=bad)
     assert RunConfig().realtime_priority == 10
+
+
+@needs_realtime
+@pytest.mark.unit
+def test_a_background_thread_steps_below_its_real_time_peers_and_a_normal_one_is_left_alone():
+    """A fresh process at real-time priority 10: a thread that steps below runs at 9 while
+    the rest stay at 10; in a process at normal priority nothing changes."""
+    probe = (
+        "import json, os, sys, threading\n"
+        "from gateway.priority import go_realtime, step_below_realtime_peers\n"
+        "if sys.argv[1] == 'rt': go_realtime(10, 'probe', every_thread=True)\n"
+        "seen = {}\n"
+        "def background():\n"
+        "    seen['took'] = step_below_realtime_peers('probe')\n"
+        "    seen['self'] = os.sched_getparam(0).sched_priority\n"
+        "t = threading.Thread(target=background); t.start(); t.join()\n"
+        "seen['main'] = os.sched_getparam(0).sched_priority\n"
+        "print(json.dumps(seen))\n"
+    )
+    for mode, expected in (
+        ("rt", {"took": True, "self": 9, "main": 10}),
+        ("normal", {"took": False, "self": 0, "main": 0}),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", probe, mode], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == expected, mode
