@@ -35,21 +35,16 @@ def code_version(root: Path = REPO) -> str:
     """Which code a run measures: the checkout ``root`` and its commit, and whether files
     differ from it. Benchmarks compare versions; with one environment serving several
     checkouts, the package imported is not always the one in the working directory."""
+
+    def git(*args: str) -> str:
+        run = subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, check=True
+        )
+        return run.stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        head = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return f"{root} (not a git checkout)"
     return f"{root} at {head}" + (" with uncommitted changes" if dirty else "")

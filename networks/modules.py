@@ -61,7 +61,8 @@ class ImageEncoder(nn.Module):
         if out_h < 1 or out_w < 1:
             raise ValueError(
                 f"a {height}x{width} image is too small for {len(config.cnn_channels)} conv layers "
-                f"(kernels 8, 4, then 3); use fewer inference.network.cnn_channels or larger images"
+                f"(kernels {', '.join(str(k) for _, k, _ in conv_layers(config.cnn_channels))}); "
+                "use fewer inference.network.cnn_channels or larger images"
             )
         flat = channels * out_h * out_w
         self.project = nn.Sequential(nn.Linear(flat, config.cnn_features), nn.LayerNorm(config.cnn_features))

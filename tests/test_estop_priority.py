@@ -44,30 +44,30 @@ def realtime_threads(pid: int) -> set[int]:
     return found
 
 
+def threads(pid: int) -> list[tuple[str, int]]:
+    """``(name, real-time priority)`` of each thread of process ``pid``."""
+    found = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            found.append((name, os.sched_getparam(int(tid)).sched_priority))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return found
+
+
 def thread_priorities(pid: int) -> dict[str, int]:
     """The real-time priorities of process ``pid``'s ZeroMQ I/O threads, by name, and of
     its other threads (``other``, when they all share one)."""
     found: dict[str, set[int]] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            found.setdefault(name if name.startswith("ZMQbg/IO") else "other", set()).add(
-                os.sched_getparam(int(tid)).sched_priority
-            )
-        except OSError:  # the thread ended meanwhile
-            continue
+    for name, priority in threads(pid):
+        found.setdefault(name if name.startswith("ZMQbg/IO") else "other", set()).add(priority)
     return {name: next(iter(p)) if len(p) == 1 else -1 for name, p in found.items()}
 
 
 def every_priority(pid: int) -> list[int]:
     """The real-time priority of each thread of process ``pid``."""
-    found = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            found.append(os.sched_getparam(int(tid)).sched_priority)
-        except OSError:  # the thread ended meanwhile
-            continue
-    return found
+    return [priority for _, priority in threads(pid)]
 
 
 def pid_of(pattern: str, run: Path) -> int:
