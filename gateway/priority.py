@@ -144,22 +144,25 @@ def go_realtime(priority: int, what: str, *, every_thread: bool = False, io_abov
     return True
 
 
-def step_below_realtime_peers(what: str) -> bool:
-    """Run the calling thread one ``SCHED_FIFO`` priority below the rest of its process
-    (a thread inherits its starter's); whether it took (not real-time, or at priority 1:
-    nothing to do). Threads of equal real-time priority never preempt each other, so on a
-    saturated core a thread doing long work in the background (an inference server's
-    loader building a new version) would hold the ones that answer requests up until it
-    blocks; one step below, they preempt it whenever they are woken."""
+def leave_realtime(what: str) -> bool:
+    """Run the calling thread under normal scheduling (``SCHED_OTHER``) while the rest of its
+    process stays real-time (a thread inherits its starter's policy); whether it changed
+    anything. For a thread doing long background work beside threads that answer
+    requests (an inference server's loader building a new version): they preempt it
+    whenever they are woken, and its CPU time does not count against the kernel's
+    real-time budget. Kept real-time at any priority, it would: on a core the serving
+    threads keep busy, its work pushes the core's real-time time past
+    ``kernel.sched_rt_runtime_us`` (950 ms of every second by default), and the kernel then
+    stops every real-time thread on that core for the rest of the second, about 50 ms
+    with no answers. Its interpreter-lock holds stay short (onnxruntime builds a session
+    holding it at most ~2 ms at a time, numpy's checks and copies not at all)."""
     if os.sched_getscheduler(0) != os.SCHED_FIFO:
         return False
     priority = os.sched_getparam(0).sched_priority
-    if priority <= 1:
-        return False
     try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority - 1))
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     except OSError as exc:
         log.warning("%s stays at real-time priority %d: %s", what, priority, exc)
         return False
-    log.info("%s at real-time priority %d, below the threads that serve", what, priority - 1)
+    log.info("%s at normal priority, below the real-time threads that serve (%d)", what, priority)
     return True

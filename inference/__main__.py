@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _stop)
     try:
         freeze_heap()
-        # Every thread (the loader's swaps share the interpreter lock with serving);
-        # threads started later inherit it. ZeroMQ's I/O thread at the serving loop's own
+        # Every thread, and threads started later inherit it; the weights loader then
+        # leaves real-time scheduling for its long builds (InferenceServer._load_loop).
+        # ZeroMQ's I/O thread at the serving loop's own
         # priority: a batch's answers leave together once the loop waits for the next
         # requests, rather than the I/O thread taking the core back at every answer (16
         # single-row clients, alternating runs: 7 900-9 400 rows/s against 5 700-7 900

@@ -45,7 +45,7 @@ from gateway.config import to_plain
 from gateway.episode import EnvSpec
 from gateway.gpu_stats import for_device
 from gateway.metrics import MetricsWriter
-from gateway.priority import step_below_realtime_peers
+from gateway.priority import leave_realtime
 from gateway.protocol import (
     ErrorCode,
     Limits,
@@ -348,9 +348,11 @@ class InferenceServer:
         self.reply(TAGS["weights"], route, error_message(exc.code.value, exc.message, seq))
 
     def _load_loop(self) -> None:
-        # Below the socket thread and ZeroMQ's I/O thread: building a version is long,
-        # CPU-bound work, and at their priority it would hold answers up until it blocks.
-        step_below_realtime_peers("the weights loader")
+        # Below the socket thread and ZeroMQ's I/O thread, and off real-time scheduling:
+        # building a version is long, CPU-bound work; at their priority it would hold
+        # answers up until it blocks, and at any real-time priority its time would push
+        # a busy core past the kernel's real-time budget (then ~50 ms of no answers).
+        leave_realtime("the weights loader")
         self.backend.prepare()
         while not self.stopping.is_set():
             try:

@@ -98,10 +98,10 @@ def test_the_gateway_its_policy_and_the_consoles_estop_path_run_at_real_time_pri
 ):
     """Under ``loopgate up`` with the console and an inference server: every thread of the
     gateway (its loop, its control line, its I/O and writer threads) and of the inference
-    server (serving, loading, I/O), and the console's event loop and I/O threads, are
-    ``SCHED_FIFO``; the console's other threads and the env worker (a simulator stepping
-    flat out must leave the cores to others) are not. ``realtime_priority: 0`` leaves
-    every thread at normal priority."""
+    server (serving, I/O) but its weights loader, and the console's event loop and I/O
+    threads, are ``SCHED_FIFO``; the loader, the console's other threads and the env
+    worker (a simulator stepping flat out must leave the cores to others) are not.
+    ``realtime_priority: 0`` leaves every thread at normal priority."""
     run = tmp_path / "run"
     proc = up(console_config(tmp_path, priority), run)
     try:
@@ -115,15 +115,18 @@ def test_the_gateway_its_policy_and_the_consoles_estop_path_run_at_real_time_pri
                 return realtime_threads(pid) == {int(t) for t in os.listdir(f"/proc/{pid}/task")}
 
             wait_for(lambda: every_thread(gateway), what="every thread of the gateway")
-            wait_for(lambda: every_thread(inference), what="every thread of the inference server")
+            # The inference server's weights loader leaves real-time scheduling (normal
+            # priority, 0 here); every other thread of it is real-time.
+            wait_for(
+                lambda: len(realtime_threads(inference)) == len(os.listdir(f"/proc/{inference}/task")) - 1,
+                what="every thread of the inference server but its loader",
+            )
             # The gateway's ZeroMQ I/O thread one step above: a sent ACTION leaves while the
             # loop goes on. The inference server's at its loop's own: a batch's answers
             # leave together once the loop waits.
             assert thread_priorities(gateway) == {"ZMQbg/IO/0": priority + 1, "other": priority}
-            # Its weights loader one step below the threads that answer requests.
-            wait_for(lambda: priority - 1 in every_priority(inference), what="the loader one step down")
             assert sorted(every_priority(inference)) == [
-                priority - 1,
+                0,
                 *[priority] * (len(os.listdir(f"/proc/{inference}/task")) - 1),
             ]
             # The event loop is the console's main thread; its I/O threads follow it.
@@ -178,24 +181,25 @@ def test_realtime_priority_outside_0_to_99_is_a_config_error():
 
 @needs_realtime
 @pytest.mark.unit
-def test_a_background_thread_steps_below_its_real_time_peers_and_a_normal_one_is_left_alone():
-    """A fresh process at real-time priority 10: a thread that steps below runs at 9 while
-    the rest stay at 10; in a process at normal priority nothing changes."""
+def test_a_background_thread_leaves_real_time_scheduling_and_a_normal_one_is_left_alone():
+    """A fresh process at real-time priority 10: a thread that leaves runs under
+    ``SCHED_OTHER`` while the rest stay ``SCHED_FIFO`` at 10; in a process at normal
+    priority nothing changes."""
     probe = (
         "import json, os, sys, threading\n"
-        "from gateway.priority import go_realtime, step_below_realtime_peers\n"
+        "from gateway.priority import go_realtime, leave_realtime\n"
         "if sys.argv[1] == 'rt': go_realtime(10, 'probe', every_thread=True)\n"
         "seen = {}\n"
         "def background():\n"
-        "    seen['took'] = step_below_realtime_peers('probe')\n"
-        "    seen['self'] = os.sched_getparam(0).sched_priority\n"
+        "    seen['took'] = leave_realtime('probe')\n"
+        "    seen['self'] = [os.sched_getscheduler(0), os.sched_getparam(0).sched_priority]\n"
         "t = threading.Thread(target=background); t.start(); t.join()\n"
-        "seen['main'] = os.sched_getparam(0).sched_priority\n"
+        "seen['main'] = [os.sched_getscheduler(0), os.sched_getparam(0).sched_priority]\n"
         "print(json.dumps(seen))\n"
     )
     for mode, expected in (
-        ("rt", {"took": True, "self": 9, "main": 10}),
-        ("normal", {"took": False, "self": 0, "main": 0}),
+        ("rt", {"took": True, "self": [os.SCHED_OTHER, 0], "main": [os.SCHED_FIFO, 10]}),
+        ("normal", {"took": False, "self": [os.SCHED_OTHER, 0], "main": [os.SCHED_OTHER, 0]}),
     ):
         out = subprocess.run(
             [sys.executable, "-c", probe, mode], cwd=REPO, capture_output=True, text=True, timeout=60
