@@ -154,8 +154,11 @@ def leave_realtime(what: str) -> bool:
     threads keep busy, its work pushes the core's real-time time past
     ``kernel.sched_rt_runtime_us`` (950 ms of every second by default), and the kernel then
     stops every real-time thread on that core for the rest of the second, about 50 ms
-    with no answers. Its interpreter-lock holds stay short (onnxruntime builds a session
-    holding it at most ~2 ms at a time, numpy's checks and copies not at all)."""
+    with no answers. The price: a serving thread that wants the interpreter lock while
+    this thread holds it waits until this thread gets the core among the normal-priority
+    processes there. Fit for threads whose holds are short (the loader: onnxruntime
+    builds a session holding it at most ~2 ms at a time, numpy's checks and copies not
+    at all), not for one that holds it long."""
     if os.sched_getscheduler(0) != os.SCHED_FIFO:
         return False
     priority = os.sched_getparam(0).sched_priority
