@@ -26,7 +26,7 @@ from pathlib import Path
 from gateway import __version__
 from gateway.config import RunConfig
 from gateway.factory import ConfigError
-from gateway.priority import may_set_niceness, may_use_realtime
+from gateway.priority import describe_realtime_budget, may_set_niceness, may_use_realtime, realtime_budget
 from gateway.registry import ISAAC_HINT
 from gateway.venvs import check_interpreter
 
@@ -209,7 +209,8 @@ def check_scheduling() -> list[Check]:
     whether the kernel shares the CPU between sessions first (autogroup: each service's
     session is niced with it), whether a priority may be raised (``run.nice`` < 0), and
     whether ``run.realtime_priority`` will take (``SCHED_FIFO`` for the gateway, the
-    inference servers and the e-stop's path)."""
+    inference servers and the e-stop's path), and the kernel's real-time budget (a
+    service that keeps a CPU busy at real-time priority pauses once a period)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
     try:
         autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
@@ -224,7 +225,8 @@ def check_scheduling() -> list[Check]:
     detail = (
         f"{cpus} CPU(s), niceness {niceness}; autogroup {sessions}; "
         f"run.nice below 0 {'allowed' if raising else 'not allowed'}; run.realtime_priority "
-        f"{'takes (SCHED_FIFO)' if realtime else 'not allowed: normal priority'}"
+        f"{'takes (SCHED_FIFO)' if realtime else 'not allowed: normal priority'}; "
+        f"{describe_realtime_budget(realtime_budget())}"
     )
     fixes = (
         [] if raising else ["run.nice < 0 needs CAP_SYS_NICE or a nice entry in /etc/security/limits.conf"]

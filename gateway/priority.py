@@ -20,8 +20,10 @@ by simulators, camera rendering, browsers or the trainer neither an e-stop nor a
 waits its turn at each hop. The whole gateway, not only its e-stop thread: that thread
 needs the GIL, and a loop preempted while holding it would hold the e-stop up too. These
 threads sleep until a message comes and do little per message; the kernel's real-time
-throttling (``/proc/sys/kernel/sched_rt_runtime_us``) still leaves normal threads their
-share should one of them spin::
+budget (:func:`realtime_budget`, ``/proc/sys/kernel/sched_rt_runtime_us``) still leaves
+normal threads their share should one of them spin, by stopping every real-time thread
+of a core for the rest of a second once they have had 950 ms of it. Long background
+work beside them therefore runs at normal priority (:func:`leave_realtime`)::
 
     go_realtime(10, "gateway", every_thread=True)   # True where it took
 """
@@ -142,6 +144,31 @@ def go_realtime(priority: int, what: str, *, every_thread: bool = False, io_abov
         return False
     log.info("%s at real-time priority %d (SCHED_FIFO), %d thread(s)", what, priority, len(set(others)) or 1)
     return True
+
+
+def realtime_budget(kernel: Path = Path("/proc/sys/kernel")) -> tuple[int, int] | None:
+    """The kernel's real-time budget, ``(runtime_us, period_us)``: the real-time threads of
+    a core may run ``runtime_us`` of every ``period_us``, then all of them wait for the
+    period's end (``runtime_us`` -1: no limit); None where the kernel does not say."""
+    try:
+        runtime = int((kernel / "sched_rt_runtime_us").read_text())
+        period = int((kernel / "sched_rt_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return runtime, period
+
+
+def describe_realtime_budget(budget: tuple[int, int] | None) -> str:
+    """``realtime_budget()`` in words, for ``loopgate doctor``."""
+    if budget is None:
+        return "real-time budget unknown"
+    runtime, period = budget
+    if runtime < 0:
+        return "real-time budget unlimited (kernel.sched_rt_runtime_us -1)"
+    return (
+        f"real-time budget {runtime / 1e3:g} ms of each {period / 1e3:g} ms per CPU "
+        f"(a CPU kept busy by real-time threads stops them {(period - runtime) / 1e3:g} ms each period)"
+    )
 
 
 def leave_realtime(what: str) -> bool:

@@ -191,6 +191,7 @@ def test_doctor_reports_what_is_installed():
     # How run.nice acts on this machine (docs/architecture.md).
     assert "CPU(s)" in checks["scheduling"]["detail"] and "autogroup" in checks["scheduling"]["detail"]
     assert "run.realtime_priority" in checks["scheduling"]["detail"]
+    assert "real-time budget" in checks["scheduling"]["detail"]
 
 
 def test_keys_are_made_once_and_not_overwritten(tmp_path):

@@ -206,3 +206,26 @@ def test_a_background_thread_leaves_real_time_scheduling_and_a_normal_one_is_lef
         )
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout) == expected, mode
+
+
+@pytest.mark.unit
+def test_the_kernels_real_time_budget_is_read_and_said_in_words(tmp_path):
+    """``realtime_budget`` reads the two kernel settings (here from a stand-in for
+    ``/proc/sys/kernel``); -1 is no limit; a kernel that does not say is unknown, not an
+    error. On this machine it agrees with the real files."""
+    from gateway.priority import describe_realtime_budget, realtime_budget
+
+    (tmp_path / "sched_rt_runtime_us").write_text("950000\n")
+    (tmp_path / "sched_rt_period_us").write_text("1000000\n")
+    assert realtime_budget(tmp_path) == (950_000, 1_000_000)
+    said = describe_realtime_budget(realtime_budget(tmp_path))
+    assert "950 ms of each 1000 ms" in said and "stops them 50 ms" in said
+    (tmp_path / "sched_rt_runtime_us").write_text("-1\n")
+    assert "unlimited" in describe_realtime_budget(realtime_budget(tmp_path))
+    (tmp_path / "sched_rt_period_us").unlink()
+    assert realtime_budget(tmp_path) is None
+    assert describe_realtime_budget(None) == "real-time budget unknown"
+    real = Path("/proc/sys/kernel/sched_rt_runtime_us")
+    if real.exists():
+        budget = realtime_budget()
+        assert budget is not None and budget[0] == int(real.read_text())
