@@ -25,6 +25,7 @@ import contextlib
 import logging
 import mmap
 import os
+import queue
 import re
 import struct
 import threading
@@ -77,38 +78,91 @@ def _frames_payload(msg: Message) -> list[bytes | memoryview]:
 
 
 class _Syncer(threading.Thread):
-    """``fsync: interval`` off the writer's thread: an fsync can take tens of milliseconds,
-    and the writer (the gateway's loop) must not stall on it. Syncs its own duplicate of
-    the segment's descriptor, so the writer never waits for it except when rolling."""
+    """``fsync: interval`` off the writer's thread: an fsync can take tens of milliseconds
+    (a whole 64 MB segment's, at a roll: 25-30 ms here), and the writer (the gateway's
+    loop) must not stall on it. The writer never waits for this thread: it posts jobs,
+    done in order, at once: a rolled segment's descriptor to sync and close (its records
+    are on disk before anything of the next segment is synced), the folder to sync (the
+    new segment's name), whole segments to delete (retention; unlinking 64 MB takes 13 ms
+    here). Between jobs, every interval, it syncs its own duplicate of the current
+    segment's descriptor if records were appended."""
 
     def __init__(self, interval_s: float) -> None:
         super().__init__(name="segment-log-fsync", daemon=True)
         self.interval_s = interval_s
-        self.lock = threading.Lock()
         self.fd: int | None = None
         self.dirty = False
-        self.halt = threading.Event()
+        self.deleting: set[Path] = set()
+        """Segments posted for deletion and not yet gone (the log lists them as gone)."""
+        self._jobs: queue.SimpleQueue[tuple[str, int | Path | None]] = queue.SimpleQueue()
 
     def set_fd(self, fd: int) -> None:
-        with self.lock:
-            if self.fd is not None:
-                os.close(self.fd)
-            self.fd = os.dup(fd)
+        """Sync a duplicate of ``fd`` (the current segment's) from now on."""
+        self._jobs.put(("fd", os.dup(fd)))
+
+    def retire(self, fd: int) -> None:
+        """Sync and close ``fd``, a rolled segment's descriptor (this thread owns it now)."""
+        self._jobs.put(("retire", fd))
+
+    def sync_dir(self, directory: Path) -> None:
+        self._jobs.put(("dir", directory))
+
+    def delete(self, path: Path) -> None:
+        self.deleting.add(path)
+        self._jobs.put(("delete", path))
 
     def run(self) -> None:
-        while not self.halt.wait(self.interval_s):
-            with self.lock:
-                if self.dirty and self.fd is not None:
-                    self.dirty = False
-                    os.fsync(self.fd)
+        next_sync = time.monotonic() + self.interval_s
+        while True:
+            try:
+                kind, arg = self._jobs.get(timeout=max(0.0, next_sync - time.monotonic()))
+            except queue.Empty:
+                kind, arg = "sync", None
+                next_sync = time.monotonic() + self.interval_s
+            try:
+                self._do(kind, arg)
+            except OSError as exc:  # a failing disk: the writer's own fsync at close reports it too
+                log.error("segment log: %s %s failed: %s", kind, arg or "", exc)
+            if kind == "stop":
+                return
 
-    def stop(self) -> None:
-        self.halt.set()
-        self.join(timeout=30)
-        with self.lock:
-            if self.fd is not None:
+    def _do(self, kind: str, arg: int | Path | None) -> None:
+        if kind in ("sync", "stop"):
+            if self.dirty and self.fd is not None:
+                self.dirty = False
+                os.fsync(self.fd)
+            if kind == "stop" and self.fd is not None:
                 os.close(self.fd)
                 self.fd = None
+        elif kind == "fd":
+            assert isinstance(arg, int)
+            if self.fd is not None:
+                os.close(self.fd)  # the rolled segment: its writer's descriptor is synced
+            self.fd = arg
+        elif kind == "retire":
+            assert isinstance(arg, int)
+            try:
+                os.fsync(arg)
+            finally:
+                os.close(arg)
+        elif kind == "dir":
+            assert isinstance(arg, Path)
+            fd = os.open(arg, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        elif kind == "delete":
+            assert isinstance(arg, Path)
+            try:
+                arg.unlink(missing_ok=True)
+            finally:
+                self.deleting.discard(arg)
+
+    def stop(self) -> None:
+        """Finish every job posted (syncs, deletions), then end."""
+        self._jobs.put(("stop", None))
+        self.join(timeout=60)
 
 
 class SegmentLog:
@@ -153,9 +207,10 @@ class SegmentLog:
         if not self.directory.exists():
             return []
         found = []
+        deleting = self._syncer.deleting if self._syncer is not None else ()
         for entry in os.listdir(self.directory):
             m = _SEGMENT_RE.match(entry)
-            if m:
+            if m and (not deleting or self.directory / entry not in deleting):
                 found.append(int(m.group(1)))
         return sorted(found)
 
@@ -218,24 +273,36 @@ class SegmentLog:
         return end
 
     def roll(self) -> int:
-        """Start a new segment; return its number."""
+        """Start a new segment; return its number. Under ``fsync: interval`` the rolled
+        segment is synced and closed by the syncer thread, ahead of anything later."""
         self._check_writable()
-        self.commit(force=True)
         assert self._fd is not None
-        os.close(self._fd)
+        if self._syncer is None:
+            self.commit(force=True)
+            os.close(self._fd)
+        else:
+            self._syncer.retire(self._fd)
+            self._dirty = False
         self._segment += 1
         self._size = 0
         self._fd = os.open(self.path(self._segment), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if self._syncer is not None:
             self._syncer.set_fd(self._fd)
-        self._fsync_dir()
+            self._syncer.sync_dir(self.directory)
+        else:
+            self._fsync_dir()
         return self._segment
 
     def delete_segment(self, segment: int) -> None:
-        """Remove a whole segment (retention); the segment being written is never removed."""
+        """Remove a whole segment (retention); the segment being written is never removed.
+        Under ``fsync: interval`` the syncer thread unlinks it; it is gone from
+        :meth:`segments` at once."""
         if segment == self._segment and not self.readonly:
             raise ValueError("cannot delete the segment being written")
-        self.path(segment).unlink(missing_ok=True)
+        if self._syncer is not None:
+            self._syncer.delete(self.path(segment))
+        else:
+            self.path(segment).unlink(missing_ok=True)
 
     def size_bytes(self) -> int:
         return sum(self.path(s).stat().st_size for s in self.segments() if self.path(s).exists())

@@ -109,3 +109,73 @@ def test_appended_records_survive_sigkill_of_the_writer(tmp_path):
     seqs, report = read_all(tmp_path)
     assert report.corrupt_records == 0
     assert seqs[: acked + 1] == list(range(acked + 1))
+
+
+def test_under_fsync_interval_a_roll_and_a_deletion_never_wait_for_the_disk(tmp_path, monkeypatch):
+    """``fsync: interval`` (the spool's default): rolling to a new segment and deleting
+    an old one leave the syncing and unlinking to the syncer thread, so the writer (the
+    gateway's loop) goes on while the disk is slow. The disk is made slow here by holding
+    every ``fsync`` until the test lets go (a real disk's latency cannot be produced on
+    demand); what is checked is real: which thread syncs, in what order, and that
+    nothing is lost. The rolled segment is synced before anything of the new one, and a
+    segment posted for deletion is gone from ``segments()`` at once."""
+    import threading
+
+    import gateway.segment_log as segment_log
+
+    real_fsync = os.fsync
+    disk = threading.Event()
+    synced: list[tuple[str, str]] = []
+
+    def slow_fsync(fd: int) -> None:
+        disk.wait(30)
+        synced.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(segment_log.os, "fsync", slow_fsync)
+    log = SegmentLog(tmp_path, segment_bytes=1 << 20, fsync="interval", fsync_interval_s=0.05)
+    for i in range(12):
+        log.append(record(i))
+    first = log.current_segment
+    log.roll()  # returns although every fsync is held
+    for i in range(12, 20):
+        log.append(record(i))
+    log.delete_segment(first)
+    assert first not in log.segments()  # gone for readers at once, unlinked by the syncer
+    assert synced == []  # nothing synced yet: the writer did not wait for the disk
+    disk.set()
+    log.close()
+    assert not log.path(first).exists()
+    assert {name for name, _ in synced} <= {"segment-log-fsync", threading.current_thread().name}
+    syncer_files = [path for name, path in synced if name == "segment-log-fsync"]
+    # The rolled segment first, then the folder (the new segment's name), then the new one.
+    assert syncer_files[:2] == [str(log.path(first)), str(tmp_path)]
+    assert set(syncer_files[2:]) <= {str(log.path(first + 1))}
+    seqs, report = read_all(tmp_path)
+    assert seqs == list(range(12, 20)) and report.corrupt_records == 0
+
+
+def test_a_roll_under_fsync_always_or_never_stays_on_the_writers_thread(tmp_path, monkeypatch):
+    """Without a syncer thread (``always``, ``never``), a roll syncs the rolled segment
+    itself before starting the next, as before."""
+    import threading
+
+    import gateway.segment_log as segment_log
+
+    real_fsync = os.fsync
+    threads: list[str] = []
+
+    def fsync(fd: int) -> None:
+        threads.append(threading.current_thread().name)
+        real_fsync(fd)
+
+    monkeypatch.setattr(segment_log.os, "fsync", fsync)
+    for policy in ("always", "never"):
+        threads.clear()
+        log = SegmentLog(tmp_path / policy, segment_bytes=2000, fsync=policy)
+        log.append(record(0))
+        log.roll()
+        assert threads and set(threads) == {threading.current_thread().name}, policy
+        log.delete_segment(1)
+        assert not log.path(1).exists()
+        log.close()
