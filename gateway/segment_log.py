@@ -77,6 +77,13 @@ def _frames_payload(msg: Message) -> list[bytes | memoryview]:
     return [lengths, *views]
 
 
+def _sync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class _Syncer(threading.Thread):
     """``fsync: interval`` off the writer's thread: an fsync can take tens of milliseconds
     (a whole 64 MB segment's, at a roll: 25-30 ms here), and the writer (the gateway's
@@ -141,17 +148,10 @@ class _Syncer(threading.Thread):
             self.fd = arg
         elif kind == "retire":
             assert isinstance(arg, int)
-            try:
-                os.fsync(arg)
-            finally:
-                os.close(arg)
+            _sync_and_close(arg)
         elif kind == "dir":
             assert isinstance(arg, Path)
-            fd = os.open(arg, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _sync_and_close(os.open(arg, os.O_RDONLY))
         elif kind == "delete":
             assert isinstance(arg, Path)
             try:
@@ -375,11 +375,7 @@ class SegmentLog:
     def _fsync_dir(self) -> None:
         if self.fsync == "never":
             return
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _sync_and_close(os.open(self.directory, os.O_RDONLY))
 
     def close(self) -> None:
         if self._syncer is not None:
