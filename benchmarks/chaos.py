@@ -28,7 +28,6 @@ import logging
 import random
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import threading
@@ -42,6 +41,7 @@ import yaml
 from benchmarks import chaos_faults as faults
 from benchmarks.chaos_check import check_run
 from benchmarks.chaos_harness import Experiment, Harness
+from gateway.services import bindable, free_port, planned
 
 log = logging.getLogger("loopgate.chaos")
 
@@ -59,18 +59,15 @@ OTHERS = ("disk.replay", "disk.spool", "link.worker", "fuzz")
 KINDS = KILLS + STOPS + OTHERS
 
 
-_ports: set[int] = set()
-
-
-def _free_port() -> int:
-    """A loopback port free now and not handed out before by this process."""
+def _free_block(n: int) -> int:
+    """The first of ``n`` consecutive ports free now, out of the OS's ephemeral range (the
+    inference replicas' ``base_port``): a port from that range can be taken by any
+    outgoing connection before the service binds it, a restarted service's included."""
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _ports and port < 65000:
-            _ports.add(port)
-            return port
+        base = free_port()
+        rest = range(base + 1, base + n)
+        if base + n <= 65535 and all(not planned(p) and bindable("127.0.0.1", p) for p in rest):
+            return base
 
 
 def chaos_config(source: Path, out: Path, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -84,13 +81,16 @@ def chaos_config(source: Path, out: Path, overrides: dict[str, Any]) -> dict[str
     gw = cfg.setdefault("gateway", {})
     gw["transport"] = "tcp"
     for name in ("worker_port", "client_port", "control_port"):
-        gw[name] = gw.get(name) or _free_port()
+        gw[name] = gw.get(name) or free_port()
     if cfg.get("replay", {}).get("enabled"):
         for name in ("ingest_port", "sample_port", "control_port"):
-            cfg["replay"][name] = cfg["replay"].get(name) or _free_port()
+            cfg["replay"][name] = cfg["replay"].get(name) or free_port()
     if cfg.get("inference", {}).get("enabled") and not cfg["inference"].get("base_port"):
-        # Three ports per replica from a free one (checked free now, for this run).
-        cfg["inference"]["base_port"] = _free_port()
+        # Three ports per replica slot, all free now, for this run.
+        icfg = cfg["inference"]
+        icfg["base_port"] = _free_block(
+            3 * max(int(icfg.get("replicas", 1)), int(icfg.get("max_replicas", 0)))
+        )
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return cfg
 

@@ -359,3 +359,36 @@ def _echo(conn: socket.socket) -> None:
             conn.sendall(data)
     except OSError:
         pass
+
+
+@pytest.mark.unit
+def test_the_harness_plans_every_port_out_of_the_ephemeral_range(tmp_path):
+    """The harness names its run's ports in the config, and a port named there is never
+    moved on a restart: one from the OS's ephemeral range could be taken by an outgoing
+    connection before its service binds it (an inference replica then failed every
+    restart with "Address already in use"). Every planned port, each replica slot's three
+    included, comes from below that range, and none twice."""
+    from benchmarks.chaos import chaos_config
+    from gateway.services import planned_pool
+
+    source = tmp_path / "source.yaml"
+    source.write_text(
+        yaml.safe_dump(
+            {
+                "env": {"backend": "mujoco_reach"},
+                "inference": {"enabled": True, "replicas": 2, "max_replicas": 3},
+                "replay": {"enabled": True},
+            }
+        )
+    )
+    cfg = chaos_config(source, tmp_path / "chaos.yaml", {})
+    base = cfg["inference"]["base_port"]
+    ports = [
+        *(cfg["gateway"][k] for k in ("worker_port", "client_port", "control_port")),
+        *(cfg["replay"][k] for k in ("ingest_port", "sample_port", "control_port")),
+        *range(base, base + 3 * 3),
+    ]
+    assert len(set(ports)) == len(ports)
+    pool = planned_pool()
+    if pool is not None:  # this machine's ephemeral range leaves room for a pool
+        assert all(p in pool for p in ports), ports
