@@ -113,7 +113,7 @@ PLANS: dict[str, str] = {
 
 SUMMARY_HOOKS: dict[str, str] = {
     "inference": "inference.services:summary",
-    "trainer": "trainer.summary:learning_curve",
+    "trainer": "trainer.summary:summarize",
 }
 """By config block: ``func(cfg, run_dir, summary) -> None`` adding keys to ``summary.json``."""
 

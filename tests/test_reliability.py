@@ -315,6 +315,10 @@ def test_the_first_sigint_stops_a_training_run_gracefully_and_writes_the_summary
     assert "saved" in trainer_log.rsplit("trainer stopping: signal", 1)[1], trainer_log[-3000:]
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
     assert summary["stored_steps"] == summary["acked_steps"] > 0
+    # The policy version is the stopped trainer's last one, the one its checkpoint holds
+    # (published on its way out, after the gateway's last status).
+    checkpoint = json.loads((run / "checkpoints" / "latest").read_text())
+    assert summary["policy_version"] == checkpoint["version"] == trainer_records(run)[-1]["version"]
     assert not run_processes(run)
 
 

@@ -191,3 +191,20 @@ def test_a_snapshot_reuses_spare_buffers_and_takes_the_new_values():
     wrong_shape = {k: np.zeros(1, np.float32) for k in first}
     third = full_state_dict(actor, wrong_shape)  # does not fit: fresh arrays instead
     assert all(third[k] is not wrong_shape[k] for k in third)
+
+
+def test_the_final_version_is_the_newest_of_the_publications_and_the_latest_checkpoint(tmp_path):
+    """``summary.json``'s policy version: a trainer's checkpoint counters (the ``latest``
+    marker ``trainer.checkpoint.save`` writes) and the publications' record, whichever is
+    newer; a torn or missing file counts as nothing."""
+    from trainer.versions import PUBLISHED, final_version, record_published
+
+    assert final_version(tmp_path) == 0
+    (tmp_path / "latest").write_text('{"path": "step-000000040", "updates": 40, "version": 4, "samples": 9}')
+    assert final_version(tmp_path) == 4  # no inference servers: nothing published
+    record_published(tmp_path / PUBLISHED, 5)
+    assert final_version(tmp_path) == 5  # published, not yet checkpointed
+    record_published(tmp_path / PUBLISHED, 3)
+    assert final_version(tmp_path) == 4
+    (tmp_path / "latest").write_text('{"path": "step-0')  # torn
+    assert final_version(tmp_path) == 3

@@ -40,12 +40,10 @@ from gateway.protocol import RemoteError, Timeout
 from trainer import checkpoint
 from trainer.algos import Algorithm, OnPolicyAlgorithm, make_algorithm
 from trainer.distributed import World, from_rank0
-from trainer.publish import LaggedControl, Publisher, full_state_dict, last_published
+from trainer.publish import LaggedControl, Publisher, full_state_dict
+from trainer.versions import PUBLISHED, last_published
 
 log = logging.getLogger(__name__)
-
-PUBLISHED = "published_version"
-"""File under ``<run>/checkpoints`` with the newest version the trainer published."""
 
 STOPPING_TIMEOUT_S = 2.0
 """Longest wait for a peer (a request, a sample slice) once a signal asked the trainer to

@@ -19,14 +19,13 @@ the same GPU get them as a CUDA IPC handle, copied device to device
 Each version is written to ``record`` (``<run>/checkpoints/published_version``) before
 anyone hears of it, so a trainer restarted from an older checkpoint continues after it
 even when the gateway and the inference servers were restarted too and know no version
-(:func:`last_published`); a version number never names two different sets of weights.
+(:func:`trainer.versions.last_published`); a version number never names two different sets of weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -44,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from gateway.episode import EnvSpec
 from gateway.protocol import RemoteError, Timeout
+from trainer.versions import record_published
 
 log = logging.getLogger(__name__)
 
@@ -288,22 +288,6 @@ class Publisher:
         self._thread.join(timeout=30)
         if self.publisher is not None:
             self.publisher.close()
-
-
-def record_published(path: Path, version: int) -> None:
-    """Keep ``version`` as the newest one published (replaced atomically: a killed
-    process leaves the old number or the new one, never half of it)."""
-    tmp = path.with_name(path.name + ".new")
-    tmp.write_text(f"{version}\n")
-    os.replace(tmp, path)
-
-
-def last_published(path: Path) -> int:
-    """The newest version :func:`record_published` kept under ``path``; 0 if none."""
-    try:
-        return int(path.read_text().strip() or 0)
-    except (FileNotFoundError, ValueError):
-        return 0
 
 
 class LaggedControl:

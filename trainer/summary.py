@@ -2,9 +2,9 @@
 
 ``final_evaluation`` (registered in ``gateway.registry.FINALIZERS``) asks the gateway
 for ``trainer.final_eval_episodes`` evaluation episodes with the deterministic policy
-once training is done and waits for the round; ``learning_curve`` (a summary hook)
-plots every evaluation round in ``metrics.jsonl`` against env steps into
-``learning_curve.png``.
+once training is done and waits for the round; ``summarize`` (a summary hook) names the
+trainer's last policy version and plots every evaluation round in ``metrics.jsonl``
+against env steps into ``learning_curve.png`` (``learning_curve``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 from gateway.config import ExperimentConfig
 from gateway.metrics import MetricsWriter, read_metrics
 from gateway.protocol import RemoteError, Timeout
+from trainer.versions import final_version
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,17 @@ def record_unseen_round(control: Any, run_dir: Path) -> None:
 def _rate(value: float | None) -> float:
     """A success rate to plot: NaN (no point) for an env that reports no success."""
     return float("nan") if value is None else float(value)
+
+
+def summarize(cfg: ExperimentConfig, run_dir: Path, summary: dict[str, Any]) -> None:
+    if not cfg.trainer.enabled:
+        return
+    # A stopped trainer publishes and saves once more after the gateway's last status,
+    # which is where the summary's version came from.
+    version = max(int(summary.get("policy_version", 0)), final_version(run_dir / "checkpoints"))
+    if version:
+        summary["policy_version"] = version
+    learning_curve(cfg, run_dir, summary)
 
 
 def learning_curve(cfg: ExperimentConfig, run_dir: Path, summary: dict[str, Any]) -> None:
