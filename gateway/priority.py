@@ -34,6 +34,7 @@ import contextlib
 import logging
 import os
 import resource
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -92,14 +93,21 @@ def may_use_realtime(priority: int) -> bool:
     return soft == resource.RLIM_INFINITY or soft >= priority or has_sys_nice()
 
 
-def zmq_io_threads() -> list[int]:
-    """Thread ids of this process's ZeroMQ I/O threads (libzmq names them ``ZMQbg/IO/<n>``)."""
+def threads_named(prefix: str) -> list[int]:
+    """Thread ids of this process whose name (``/proc/self/task/<tid>/comm``) starts with ``prefix``."""
     found = []
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError):
-            if Path(f"/proc/self/task/{tid}/comm").read_text().startswith("ZMQbg/IO"):
+            if Path(f"/proc/self/task/{tid}/comm").read_text().startswith(prefix):
                 found.append(int(tid))
     return sorted(found)
+
+
+def zmq_io_threads() -> list[int]:
+    """Thread ids of this process's ZeroMQ I/O threads (libzmq names them ``ZMQbg/IO/<n>``;
+    a context given a ``THREAD_NAME_PREFIX`` puts ``<prefix>/`` before that, and its
+    threads are not among these)."""
+    return threads_named("ZMQbg/IO")
 
 
 def go_realtime(priority: int, what: str, *, every_thread: bool = False, io_above: bool = True) -> bool:
@@ -169,6 +177,36 @@ def describe_realtime_budget(budget: tuple[int, int] | None) -> str:
         f"real-time budget {runtime / 1e3:g} ms of each {period / 1e3:g} ms per CPU "
         f"(a CPU kept busy by real-time threads stops them {(period - runtime) / 1e3:g} ms each period)"
     )
+
+
+def step_below(what: str, threads: Sequence[int]) -> bool:
+    """Run ``threads`` one ``SCHED_FIFO`` priority below the calling thread (under normal
+    scheduling where it is at the lowest real-time priority already); whether anything
+    changed (nothing where the calling thread is not real-time). For threads that move
+    bulk data beside the threads that answer requests (an inference server's weights
+    socket's I/O thread, reading tens of megabytes a publication): the answering threads
+    preempt them whenever woken, and they still preempt every normal-priority process, so
+    a transfer to an idle server goes as fast as at the answering threads' priority. Their
+    time counts against the kernel's real-time budget (:func:`realtime_budget`): fit for
+    bounded work such as a transfer's copying, not for long computation beside a busy
+    server (the loader's builds: :func:`leave_realtime`)."""
+    if os.sched_getscheduler(0) != os.SCHED_FIFO:
+        return False
+    priority = os.sched_getparam(0).sched_priority - 1
+    policy = os.SCHED_FIFO if priority >= os.sched_get_priority_min(os.SCHED_FIFO) else os.SCHED_OTHER
+    param = os.sched_param(priority if policy == os.SCHED_FIFO else 0)
+    try:
+        for tid in threads:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setscheduler(tid, policy, param)
+    except OSError as exc:
+        log.warning("%s stays at real-time priority %d: %s", what, priority + 1, exc)
+        return False
+    if policy == os.SCHED_FIFO:
+        log.info("%s at real-time priority %d, below the threads that serve", what, priority)
+    else:
+        log.info("%s at normal priority, below the threads that serve", what)
+    return True
 
 
 def leave_realtime(what: str) -> bool:

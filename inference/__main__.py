@@ -126,12 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         freeze_heap()
         # Every thread, and threads started later inherit it; the weights loader then
-        # leaves real-time scheduling for its long builds (InferenceServer._load_loop).
+        # leaves real-time scheduling for its long builds (InferenceServer._load_loop), and
+        # the weights socket's context steps below for its transfers (weights_below_serving).
         # ZeroMQ's I/O thread at the serving loop's own priority: a batch's answers leave
         # together once the loop waits for the next requests, rather than the I/O thread
         # taking the core back at every answer (16 single-row clients, alternating runs:
         # 7 900-9 400 rows/s against 5 700-7 900 with the I/O thread one priority above).
         go_realtime(server.realtime_priority, f"inference-{server.index}", every_thread=True, io_above=False)
+        server.weights_below_serving()
         server.serve()
     finally:
         with contextlib.suppress(zmq.ZMQError):

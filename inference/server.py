@@ -45,7 +45,7 @@ from gateway.config import to_plain
 from gateway.episode import EnvSpec
 from gateway.gpu_stats import for_device
 from gateway.metrics import MetricsWriter
-from gateway.priority import leave_realtime
+from gateway.priority import leave_realtime, step_below, threads_named
 from gateway.protocol import (
     ErrorCode,
     Limits,
@@ -72,6 +72,9 @@ log = logging.getLogger(__name__)
 SOCKETS = ("requests", "weights", "control")
 TAGS = {name: name[0].encode() for name in SOCKETS}
 SWITCH_INTERVAL_S = 0.0002
+WEIGHTS_THREADS = 7
+"""``THREAD_NAME_PREFIX`` of the weights socket's own ZeroMQ context: its threads are named
+``7/ZMQbg/...`` (libzmq takes a number), told apart from the serving context's."""
 WAKE = b"w"
 """A one-frame message on the ``inproc`` socket: the loader staged a version."""
 SWAP_WAIT_S = 1.0
@@ -126,10 +129,16 @@ class InferenceServer:
             concat=self.backend.concat,
         )
         self._ctx = context or zmq.Context.instance()
+        # Weights arrive through a context of their own, whose I/O thread runs below the
+        # serving threads (weights_below_serving): tens of megabytes read at their priority
+        # kept requests waiting while the transfer lasted.
+        self._weights_ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+        self._weights_ctx.set(zmq.THREAD_NAME_PREFIX, WEIGHTS_THREADS)
         self.socks: dict[str, zmq.Socket[Any]] = {}
         self.addresses: dict[str, str] = {}
         for name in SOCKETS:
-            sock = make_socket(self._ctx, zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000)
+            ctx = self._weights_ctx if name == "weights" else self._ctx
+            sock = make_socket(ctx, zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000)
             sock.router_mandatory = False
             self.addresses[name] = bind(sock, addresses[name], keys)
             self.socks[name] = sock
@@ -347,6 +356,15 @@ class InferenceServer:
         log.warning("refused weights from %s: %s", route.hex()[:8], exc)
         self.reply(TAGS["weights"], route, error_message(exc.code.value, exc.message, seq))
 
+    def weights_below_serving(self) -> bool:
+        """The weights context's threads (its I/O thread reads every transfer) one real-time
+        priority below the serving threads (:func:`gateway.priority.step_below`): a request
+        preempts a transfer, which still preempts normal-priority processes (a trainer
+        publishing from this host). At normal priority, like the loader, an idle server's
+        publication took 10-20 % longer. Called once the process went real-time
+        (:func:`gateway.priority.go_realtime`)."""
+        return step_below("the weights socket's I/O", threads_named(f"{WEIGHTS_THREADS}/ZMQbg"))
+
     def _load_loop(self) -> None:
         # Below the socket thread and ZeroMQ's I/O thread, and off real-time scheduling:
         # building a version is long, CPU-bound work; at their priority it would hold
@@ -513,6 +531,7 @@ class InferenceServer:
                 push.close(linger=0)
         for sock in (*self.socks.values(), self._pull):
             sock.close(linger=0)
+        self._weights_ctx.term()
         self.metrics.close()
         if self.gpu is not None:
             self.gpu.close()

@@ -99,7 +99,8 @@ def test_the_gateway_its_policy_and_the_consoles_estop_path_run_at_real_time_pri
     """Under ``loopgate up`` with the console and an inference server: every thread of the
     gateway (its loop, its control line, its I/O and writer threads) and of the inference
     server (serving, I/O) but its weights loader, and the console's event loop and I/O
-    threads, are ``SCHED_FIFO``; the loader, the console's other threads and the env
+    threads, are ``SCHED_FIFO`` (the inference server's weights socket's context, its I/O
+    and reaper threads, one priority below); the loader, the console's other threads and the env
     worker (a simulator stepping flat out must leave the cores to others) are not.
     ``realtime_priority: 0`` leaves every thread at normal priority."""
     run = tmp_path / "run"
@@ -116,18 +117,23 @@ def test_the_gateway_its_policy_and_the_consoles_estop_path_run_at_real_time_pri
 
             wait_for(lambda: every_thread(gateway), what="every thread of the gateway")
             # The inference server's weights loader leaves real-time scheduling (normal
-            # priority, 0 here); every other thread of it is real-time.
+            # priority, 0 here); every other thread of it is real-time, the weights socket's
+            # context's (I/O and reaper) one priority below the rest.
             wait_for(
                 lambda: len(realtime_threads(inference)) == len(os.listdir(f"/proc/{inference}/task")) - 1,
                 what="every thread of the inference server but its loader",
             )
+            below = sorted(name for name, p in threads(inference) if p == priority - 1)
+            assert below == ["7/ZMQbg/IO/0", "7/ZMQbg/Reaper"], threads(inference)
             # The gateway's ZeroMQ I/O thread one step above: a sent ACTION leaves while the
             # loop goes on. The inference server's at its loop's own: a batch's answers
             # leave together once the loop waits.
             assert thread_priorities(gateway) == {"ZMQbg/IO/0": priority + 1, "other": priority}
             assert sorted(every_priority(inference)) == [
                 0,
-                *[priority] * (len(os.listdir(f"/proc/{inference}/task")) - 1),
+                priority - 1,
+                priority - 1,
+                *[priority] * (len(os.listdir(f"/proc/{inference}/task")) - 3),
             ]
             # The event loop is the console's main thread; its I/O threads follow it.
             wait_for(lambda: console in realtime_threads(console), what="the console's event loop")
@@ -206,6 +212,43 @@ def test_a_background_thread_leaves_real_time_scheduling_and_a_normal_one_is_lef
         )
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout) == expected, mode
+
+
+@needs_realtime
+@pytest.mark.unit
+def test_a_named_zmq_contexts_threads_step_below_and_the_serving_contexts_stay():
+    """A fresh process with two ZeroMQ contexts, one named as the inference server names its
+    weights context: after ``go_realtime(every_thread=True)``, ``step_below`` of the threads
+    ``threads_named`` finds for that name runs exactly them (I/O and reaper) one
+    ``SCHED_FIFO`` priority below; the default context's I/O thread (``zmq_io_threads``,
+    which does not count the named one) and the main thread stay at the process's. At the
+    lowest real-time priority there is none below: they run under ``SCHED_OTHER``; in a
+    process at normal priority nothing changes."""
+    probe = (
+        "import json, os, sys, zmq\n"
+        "from gateway.priority import go_realtime, step_below, threads_named, zmq_io_threads\n"
+        "from inference.server import WEIGHTS_THREADS\n"
+        "serving = zmq.Context.instance().socket(zmq.ROUTER)\n"
+        "bulk = zmq.Context(io_threads=1); bulk.set(zmq.THREAD_NAME_PREFIX, WEIGHTS_THREADS)\n"
+        "weights = bulk.socket(zmq.ROUTER)\n"
+        "go_realtime(int(sys.argv[1]), 'probe', every_thread=True, io_above=False)\n"
+        "named = threads_named(f'{WEIGHTS_THREADS}/ZMQbg')\n"
+        "took = step_below('probe', named)\n"
+        "param = lambda t: [os.sched_getscheduler(t), os.sched_getparam(t).sched_priority]\n"
+        "print(json.dumps({'took': took, 'named': sorted({tuple(param(t)) for t in named}),\n"
+        "    'io': [param(t) for t in zmq_io_threads()], 'main': param(0), 'count': len(named)}))\n"
+    )
+    fifo, other = os.SCHED_FIFO, os.SCHED_OTHER
+    for priority, expected in (
+        (10, {"took": True, "named": [[fifo, 9]], "io": [[fifo, 10]], "main": [fifo, 10], "count": 2}),
+        (1, {"took": True, "named": [[other, 0]], "io": [[fifo, 1]], "main": [fifo, 1], "count": 2}),
+        (0, {"took": False, "named": [[other, 0]], "io": [[other, 0]], "main": [other, 0], "count": 2}),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", probe, str(priority)], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == expected, priority
 
 
 @pytest.mark.unit
