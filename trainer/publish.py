@@ -19,7 +19,8 @@ the same GPU get them as a CUDA IPC handle, copied device to device
 Each version is written to ``record`` (``<run>/checkpoints/published_version``) before
 anyone hears of it, so a trainer restarted from an older checkpoint continues after it
 even when the gateway and the inference servers were restarted too and know no version
-(:func:`trainer.versions.last_published`); a version number never names two different sets of weights.
+(:func:`trainer.versions.last_published`); a version number never names two different
+sets of weights.
 """
 
 from __future__ import annotations

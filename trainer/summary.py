@@ -144,8 +144,6 @@ def summarize(cfg: ExperimentConfig, run_dir: Path, summary: dict[str, Any]) -> 
 
 
 def learning_curve(cfg: ExperimentConfig, run_dir: Path, summary: dict[str, Any]) -> None:
-    if not cfg.trainer.enabled:
-        return
     points = sorted(
         {
             (r["env_steps"], _rate(r["eval"]["success_rate"]), r["eval"]["return_mean"])
