@@ -75,6 +75,20 @@ SWITCH_INTERVAL_S = 0.0002
 WEIGHTS_THREADS = 7
 """``THREAD_NAME_PREFIX`` of the weights socket's own ZeroMQ context: its threads are named
 ``7/ZMQbg/...`` (libzmq takes a number), told apart from the serving context's."""
+
+
+def weights_threads(timeout_s: float = 2.0) -> list[int]:
+    """Thread ids of the weights context's two threads (its I/O thread and its reaper).
+    libzmq starts them with the context's first socket and each names itself once
+    running: wait until both are named, for at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while len(found := threads_named(f"{WEIGHTS_THREADS}/ZMQbg")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if len(found) < 2:
+        log.warning("the weights context's threads: %d of 2 named after %.1f s", len(found), timeout_s)
+    return found
+
+
 WAKE = b"w"
 """A one-frame message on the ``inproc`` socket: the loader staged a version."""
 SWAP_WAIT_S = 1.0
@@ -363,7 +377,7 @@ class InferenceServer:
         publishing from this host). At normal priority, like the loader, an idle server's
         publication took 10-20 % longer. Called once the process went real-time
         (:func:`gateway.priority.go_realtime`)."""
-        return step_below("the weights socket's I/O", threads_named(f"{WEIGHTS_THREADS}/ZMQbg"))
+        return step_below("the weights socket's I/O", weights_threads())
 
     def _load_loop(self) -> None:
         # Below the socket thread and ZeroMQ's I/O thread, and off real-time scheduling:

@@ -219,20 +219,20 @@ def test_a_background_thread_leaves_real_time_scheduling_and_a_normal_one_is_lef
 def test_a_named_zmq_contexts_threads_step_below_and_the_serving_contexts_stay():
     """A fresh process with two ZeroMQ contexts, one named as the inference server names its
     weights context: after ``go_realtime(every_thread=True)``, ``step_below`` of the threads
-    ``threads_named`` finds for that name runs exactly them (I/O and reaper) one
+    ``weights_threads`` finds by that name runs exactly them (I/O and reaper) one
     ``SCHED_FIFO`` priority below; the default context's I/O thread (``zmq_io_threads``,
     which does not count the named one) and the main thread stay at the process's. At the
     lowest real-time priority there is none below: they run under ``SCHED_OTHER``; in a
     process at normal priority nothing changes."""
     probe = (
         "import json, os, sys, zmq\n"
-        "from gateway.priority import go_realtime, step_below, threads_named, zmq_io_threads\n"
-        "from inference.server import WEIGHTS_THREADS\n"
+        "from gateway.priority import go_realtime, step_below, zmq_io_threads\n"
+        "from inference.server import WEIGHTS_THREADS, weights_threads\n"
         "serving = zmq.Context.instance().socket(zmq.ROUTER)\n"
         "bulk = zmq.Context(io_threads=1); bulk.set(zmq.THREAD_NAME_PREFIX, WEIGHTS_THREADS)\n"
         "weights = bulk.socket(zmq.ROUTER)\n"
         "go_realtime(int(sys.argv[1]), 'probe', every_thread=True, io_above=False)\n"
-        "named = threads_named(f'{WEIGHTS_THREADS}/ZMQbg')\n"
+        "named = weights_threads()\n"
         "took = step_below('probe', named)\n"
         "param = lambda t: [os.sched_getscheduler(t), os.sched_getparam(t).sched_priority]\n"
         "print(json.dumps({'took': took, 'named': sorted({tuple(param(t)) for t in named}),\n"
