@@ -172,7 +172,7 @@ class EnvColumns:
         """Append row ``i`` of ``steps`` to env ``envs[i]``'s open chunk, all rows at once
         (``packed``: its step fields as :meth:`Transitions.spool_arrays` packs them)."""
         slot = self.pos[envs]
-        if len(slot) and int(slot.max()) >= self.chunk_steps:
+        if np.count_nonzero(slot >= self.chunk_steps):
             raise AssertionError("a chunk outgrew chunk_steps: a boundary cut was missed")
         step = np.asarray(steps.columns["step"], np.int64)
         starting = slot == 0

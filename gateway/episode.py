@@ -260,7 +260,7 @@ class EnvSpec:
         want = (num_envs, *self.action.shape)
         if action.dtype != self.action.np_dtype or action.shape != want:
             return [f"action is {action.dtype}{list(action.shape)}, expected {self.action.dtype}{list(want)}"]
-        if action.dtype.kind == "f" and not np.isfinite(action).all():
+        if action.dtype.kind == "f" and np.count_nonzero(np.isfinite(action)) != action.size:
             return ["action contains NaN or Inf"]
         return []
 

@@ -106,9 +106,9 @@ class Evaluator:
     ) -> None:
         """Account the transitions of ``rows``; ``done[j]`` ends row ``j``'s episode."""
         flags = self.flags(uid, num_envs)
-        if not flags.any():
+        if not np.count_nonzero(flags):
             return
-        for j in np.flatnonzero(flags[rows]).tolist():  # evaluation envs only, not the batch
+        for j in flags[rows].nonzero()[0].tolist():  # evaluation envs only, not the batch
             env = rows[j]
             acc = self._acc.setdefault((uid, int(env)), [0.0, 0.0, float("inf")])
             acc[0] += float(reward[j])

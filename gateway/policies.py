@@ -196,7 +196,9 @@ class InProcessSource(ActionSource):
         # Scripted policies have one mode; RandomPolicy is random by design, also in evaluation.
         actions = self.policy.act(obs)
         n = len(actions)
-        self._done.append((key, actions, np.full(n, self.policy.version, dtype=np.int64), None))
+        versions = np.empty(n, np.int64)
+        versions.fill(self.policy.version)  # np.full costs twice as much on a one-env batch
+        self._done.append((key, actions, versions, None))
 
     def results(self) -> list[tuple[Any, np.ndarray | None, np.ndarray | None, str | None]]:
         done, self._done = self._done, []

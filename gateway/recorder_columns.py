@@ -76,12 +76,12 @@ class ColumnRecording:
         cols = self._table(worker, task, ids.envs)
         step = np.asarray(steps.columns["step"], np.int64)
         dup = cols.duplicates(ids.envs, ids.numbers, step)
-        unknown = np.flatnonzero(~cols.known(ids.envs))
+        unknown = (~cols.known(ids.envs)).nonzero()[0]
         for i in unknown.tolist():  # first batch after a restart: closed episodes by id
             dup[i] = self._is_duplicate(ids[i], int(step[i]))
         flags = np.zeros(len(steps), bool) if eval_flags is None else np.asarray(eval_flags, bool)
-        if dup.any():
-            keep = np.flatnonzero(~dup)
+        if np.count_nonzero(dup):
+            keep = (~dup).nonzero()[0]
             self.counters.duplicate_resends += len(steps) - len(keep)
             if not len(keep):
                 return 0
@@ -92,7 +92,7 @@ class ColumnRecording:
             "kind": "batch",
             "worker": worker,
             "task": task,
-            "eval": flags.tolist() if flags.any() else [],
+            "eval": flags.tolist() if np.count_nonzero(flags) else [],
         }
         arrays = {**steps.spool_arrays(), "episode": ids.numbers}
         pos = self._append(Message(MsgType.TRAJECTORY_CHUNK, meta=meta, arrays=arrays))
@@ -115,7 +115,7 @@ class ColumnRecording:
         if len(crossing):
             self._cut_envs(cols, crossing, [None] * len(crossing))
         fresh = ~same
-        if fresh.any():  # most steps continue their episodes: no new ones to start
+        if np.count_nonzero(fresh):  # most steps continue their episodes: no new ones to start
             cols.start(envs[fresh], numbers[fresh], meta["flags"][fresh])
         cols.write(envs, steps, segment, meta.get("packed"))
         n = len(steps)

@@ -41,7 +41,7 @@ def account(
         rows, versions = completed.envs, completed.columns["policy_version"]
         gw.lag.observe(versions, np.asarray(completed.columns["t_action"]))
         evaluator.steps(uid, rows, info.reward[rows], info.success[rows], versions, done[rows], n)
-        ended = np.flatnonzero(done[rows])
+        ended = done[rows].nonzero()[0]
         if len(ended):
             envs = rows[ended]
             ids = completed.episodes
@@ -59,7 +59,7 @@ def account(
         gw.state.env_steps += written
     # Envs that start a new episode without finishing the old one (a reset) leave it
     # interrupted; its steps so far are kept.
-    fresh = np.flatnonzero(~info.has_prev)
+    fresh = (~info.has_prev).nonzero()[0]
     if len(fresh):
         if old_episodes is not None:
             envs = fresh[fresh < len(old_episodes)]
@@ -67,7 +67,7 @@ def account(
         for i in fresh.tolist():
             evaluator.interrupted(uid, i)
     # Every episode that starts now may be an evaluation episode.
-    starting = np.flatnonzero(~info.has_prev | done)
+    starting = (~info.has_prev | done).nonzero()[0]
     if len(starting):
         r = evaluator.round
         if r is None or r.done or r.assigned >= r.requested:

@@ -300,7 +300,7 @@ class Gateway:
         # Once draining, every episode has been flushed: a step completed now (by an action
         # sent before the drain) could not reach the store, so it is neither recorded nor
         # acknowledged, like one completed in an episode the drain closed.
-        rows = np.flatnonzero(info.has_prev) if not self.state.draining else np.empty(0, np.int64)
+        rows = info.has_prev.nonzero()[0] if not self.state.draining else np.empty(0, np.int64)
         completed = session.completed(msg, info, rows) if len(rows) else None
         if completed is None:  # nothing to write: its answer acknowledges it
             session.through = msg.seq
@@ -361,7 +361,7 @@ class Gateway:
         key, deadline = (session.uid, session.awaiting), time.monotonic() + self.config.action_deadline_s
         flags = self.evaluator.flags(session.uid, session.num_envs)
         device: dict[str, Any] = {} if session.device_obs is None else {"device_obs": session.device_obs}
-        if flags.any():  # evaluation episodes act deterministically
+        if np.count_nonzero(flags):  # evaluation episodes act deterministically
             self.source.submit(key, session.pending_obs, deadline, deterministic=flags.copy(), **device)
         else:
             self.source.submit(key, session.pending_obs, deadline, **device)
@@ -391,7 +391,7 @@ class Gateway:
         session.acked_now = 0
         arrays = {"action": session.action}
         v = session.versions
-        if len(v) and (v == v[0]).all():
+        if len(v) and not np.count_nonzero(v != v[0]):
             meta["version"] = int(v[0])  # one frame less on every step
         else:
             arrays["policy_version"] = v

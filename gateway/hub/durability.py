@@ -61,7 +61,7 @@ def spool(gw: Any, session: WorkerSession, steps: Transitions) -> int:
             steps,
             worker=session.uid,
             task=gw.spec.name if gw.spec else "",
-            eval_flags=eval_flags.tolist() if eval_flags.any() else None,
+            eval_flags=eval_flags.tolist() if np.count_nonzero(eval_flags) else None,
         )
     )
 
@@ -140,7 +140,7 @@ def replay(gw: Any, session: WorkerSession, msg: Message) -> None:
         session.unspooled.append(msg)
         return
     _obs, info = gw._check_observation(session, msg)
-    rows = np.flatnonzero(info.has_prev) if not gw.state.draining else np.empty(0, np.int64)
+    rows = info.has_prev.nonzero()[0] if not gw.state.draining else np.empty(0, np.int64)
     if len(rows) and "prev/action" not in msg.arrays:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, "a replayed observation must carry the step it completes (prev/*)"
