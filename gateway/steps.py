@@ -31,7 +31,8 @@ def pack(**columns: Any) -> np.ndarray:
     missing = set(COLUMNS) - set(columns)
     if missing:
         raise ValueError(f"step_info needs {sorted(missing)}")
-    n = max(np.size(v) for v in columns.values())
+    # A per-env array's .size without np.size's Python wrapper (eight columns a step).
+    n = max(v.size if isinstance(v, np.ndarray) else np.size(v) for v in columns.values())
     out = np.empty((n, WIDTH), dtype=np.float64)
     for name, i in _COL.items():
         out[:, i] = columns[name]

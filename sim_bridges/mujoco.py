@@ -241,7 +241,7 @@ class MujocoReachBackend(EpisodeBackend):
         reward, _, terminated, info = sim.evaluate(obs)
         truncated = sim.steps >= self.config.max_episode_steps
         done = terminated | truncated
-        if done.any():
+        if np.count_nonzero(done):
             finished = np.flatnonzero(done)
             info["final_obs"] = obs
             sim.reset(finished)
