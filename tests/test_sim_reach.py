@@ -126,6 +126,41 @@ def test_pd_policy_reaches_targets_on_an_ideal_arm() -> None:
     assert task.success(task.ee_pos(q), target).mean() >= 0.99
 
 
+def test_pd_policy_is_damped_least_squares_with_a_null_space_pull() -> None:
+    """The policy's hand-written 2x2 algebra against the textbook form (:func:`_reference`,
+    numpy's batched inverse on the task's Jacobian): random postures, the straight arm the
+    damping exists for among them, velocities and targets, one env to many."""
+    task = ReachTask()
+    cfg = ReachPDConfig(gain=0.7, lookahead_s=0.1, damping=0.05, null_gain=0.2)
+    policy = ReachPDPolicy(task.spec(), cfg)
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 8, 100):
+        q = rng.uniform(-3.0, 3.0, (n, 3))
+        q[0] = 0.0
+        qd, target = rng.uniform(-2.0, 2.0, (n, 3)), rng.uniform(-0.3, 0.3, (n, 2))
+        obs = task.observe(q, qd, target)
+        got = policy.act(obs)
+        assert got.dtype == np.float32 and got.shape == (n, 3)
+        # The reference starts from the observation's float32 values, as the policy does.
+        q32, qd32, t32 = (np.asarray(obs[k], np.float64) for k in ("joint_pos", "joint_vel", "target_pos"))
+        np.testing.assert_allclose(got, _reference(task, cfg, q32, qd32, t32), rtol=1e-5, atol=1e-6)
+
+
+def _reference(
+    task: ReachTask, cfg: ReachPDConfig, q: np.ndarray, qd: np.ndarray, target: np.ndarray
+) -> np.ndarray:
+    """``reach_pd``'s action as the textbook writes it, with matrices."""
+    jac = task.jacobian(q)
+    jt = np.swapaxes(jac, -1, -2)
+    ee = task.ee_pos(q) + cfg.lookahead_s * (jac @ qd[..., None])[..., 0]
+    pinv = jt @ np.linalg.inv(jac @ jt + cfg.damping**2 * np.eye(2))
+    dq = (pinv @ (cfg.gain * (target - ee))[..., None])[..., 0]
+    null = np.eye(3) - pinv @ jac
+    dq += cfg.null_gain * (null @ (np.asarray(task.home_joint_pos) - q)[..., None])[..., 0]
+    action = dq / task.max_delta
+    return (action / np.maximum(1.0, np.abs(action).max(axis=-1, keepdims=True))).astype(np.float32)
+
+
 @pytest.mark.parametrize(
     ("options", "field"),
     [
