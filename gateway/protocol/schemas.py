@@ -15,6 +15,7 @@ Each schema's ``doc`` gives its layout; ``docs/protocol.md`` draws the exchanges
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from gateway.protocol.messages import Message, MsgType
@@ -36,21 +37,26 @@ class Schema:
     """Meta keys that must be present."""
     doc: str = ""
 
+    @functools.cached_property
+    def _allowed(self) -> tuple[frozenset[str], tuple[str, ...]]:
+        """Array names and group prefixes a message may carry (worked out once, not per message)."""
+        groups = tuple(p for p in (*self.prefixes, *self.optional) if p.endswith("/"))
+        return frozenset(self.arrays) | {o for o in self.optional if not o.endswith("/")}, groups
+
     def problems(self, msg: Message) -> list[str]:
         """What in ``msg`` does not fit this layout (empty when it fits)."""
         out = []
         if msg.type is not self.type:
             out.append(f"{self.name} is a {self.type.name} message, got {msg.type.name}")
-        names = set(msg.arrays)
+        names = msg.arrays
         for key in self.arrays:
             if key not in names:
                 out.append(f"array {key!r} is missing")
         for prefix in self.prefixes:
             if not any(n.startswith(prefix) for n in names):
                 out.append(f"no {prefix}* arrays")
-        allowed_groups = tuple(p for p in (*self.prefixes, *self.optional) if p.endswith("/"))
-        allowed = set(self.arrays) | {o for o in self.optional if not o.endswith("/")}
-        unexpected = sorted(n for n in names if n not in allowed and not n.startswith(allowed_groups))
+        allowed, groups = self._allowed
+        unexpected = sorted(n for n in names if n not in allowed and not n.startswith(groups))
         if unexpected:
             out.append(f"unexpected array(s) {unexpected} in a {self.name}")
         for key in self.meta:
