@@ -138,6 +138,15 @@ class ReachTask:
     def _lengths(self) -> FloatArray:
         return np.asarray(self.link_lengths)
 
+    @functools.cached_property
+    def _home(self) -> FloatArray:
+        return np.asarray(self.home_joint_pos, dtype=np.float64)
+
+    @functools.cached_property
+    def _outward(self) -> FloatArray:
+        """``v @ _outward``: for each joint, the sum of ``v`` over its link and those beyond."""
+        return np.tril(np.ones((len(self.link_lengths),) * 2))
+
     def ee_pos(self, joint_pos: npt.ArrayLike) -> FloatArray:
         """Fingertip (x, y) for joint positions ``[..., 3]`` -> ``[..., 2]`` (float64)."""
         # Written for a small batch at every control step: ufuncs and matmul into a
@@ -148,20 +157,28 @@ class ReachTask:
         ee[..., 1] = np.sin(angles) @ self._lengths
         return ee
 
+    def link_vectors(self, joint_pos: npt.ArrayLike) -> tuple[FloatArray, FloatArray]:
+        """Each link's x and y extent for joint positions ``[..., 3]``: two ``[..., 3]``
+        (their sums are the fingertip)."""
+        angles = np.add.accumulate(np.asarray(joint_pos, dtype=np.float64), axis=-1)
+        return np.cos(angles) * self._lengths, np.sin(angles) * self._lengths
+
+    def jacobian_rows(self, lx: FloatArray, ly: FloatArray) -> tuple[FloatArray, FloatArray]:
+        """d(x)/d(joint_pos) and d(y)/d(joint_pos) from :meth:`link_vectors`: two ``[..., 3]``.
+        Joint j moves every link from j outwards (one matmul each, for a small batch at
+        every control step)."""
+        return -(ly @ self._outward), lx @ self._outward
+
     def jacobian(self, joint_pos: npt.ArrayLike) -> FloatArray:
         """d(fingertip)/d(joint_pos): ``[..., 3]`` -> ``[..., 2, 3]``."""
-        angles = np.add.accumulate(np.asarray(joint_pos, dtype=np.float64), axis=-1)
-        # Joint j moves every link from j outwards: sum the link vectors from j to the tip.
-        x_from = np.flip(np.cumsum(np.flip(self._lengths * np.cos(angles), -1), -1), -1)
-        y_from = np.flip(np.cumsum(np.flip(self._lengths * np.sin(angles), -1), -1), -1)
-        return np.stack([-y_from, x_from], axis=-2)
+        return np.stack(self.jacobian_rows(*self.link_vectors(joint_pos)), axis=-2)
 
     # ----------------------------------------------------------------- the rules
 
     def sample_initial(self, rng: np.random.Generator) -> tuple[FloatArray, FloatArray]:
         """Start posture (rad, [3]) and target (m, [2]) of one episode."""
         noise = rng.uniform(-self.init_noise, self.init_noise, size=3)
-        joint_pos = np.clip(np.asarray(self.home_joint_pos) + noise, self._low, self._high)
+        joint_pos = np.clip(self._home + noise, self._low, self._high)
         # sqrt of a uniform squared radius: uniform over the annulus's area, not its radius.
         radius = np.sqrt(rng.uniform(self.target_min_radius**2, self.target_max_radius**2))
         angle = rng.uniform(-self.target_max_angle, self.target_max_angle)
@@ -367,12 +384,7 @@ class ReachPDPolicy(Policy):
         if spec.action.shape != (3,):
             raise ValueError(f"policy reach_pd needs a [3] action, got {list(spec.action.shape)}")
         self.task = ReachTask.from_metadata(spec.metadata)
-        self._dt = 1.0 / spec.control_hz
-        self._lengths = np.asarray(self.task.link_lengths, dtype=np.float64)
-        self._home = np.asarray(self.task.home_joint_pos, dtype=np.float64)
         self._ones = np.ones(3)
-        self._outward = np.tril(np.ones((3, 3)))
-        """``v @ _outward``: for each joint, the sum of ``v`` over its link and those beyond."""
 
     def act(self, obs: Obs) -> np.ndarray:
         # Written out for a planar arm's two task rows: the 2x2 damped inverse in closed
@@ -380,13 +392,11 @@ class ReachPDPolicy(Policy):
         # and np.eye cost most of a small batch: 79 -> 39 us a call at one env, 62 -> 41
         # at eight, 230 -> 90 at 256 (the gateway runs it once a worker's message).
         cfg: ReachPDConfig = self.config
+        task, ones = self.task, self._ones
         q = np.asarray(obs["joint_pos"], dtype=np.float64)
         qd = np.asarray(obs["joint_vel"], dtype=np.float64)
-        angles = np.add.accumulate(q, axis=-1)
-        lx, ly = np.cos(angles) * self._lengths, np.sin(angles) * self._lengths  # link vectors
-        # The Jacobian's rows: joint j moves every link from j outwards.
-        jx, jy = -(ly @ self._outward), lx @ self._outward  # d(x)/dq, d(y)/dq: [n, 3]
-        ones = self._ones
+        lx, ly = task.link_vectors(q)
+        jx, jy = task.jacobian_rows(lx, ly)  # d(x)/dq, d(y)/dq: [n, 3]
         # Where the fingertip is heading: the servos lag their targets, so act on a
         # prediction a little ahead instead of the measured position (the D term).
         ex = lx @ ones + cfg.lookahead_s * ((jx * qd) @ ones)
@@ -404,9 +414,9 @@ class ReachPDPolicy(Policy):
         # The spare degree of freedom drifts toward the home posture, away from the
         # joint limits and the straight-arm singularity, without moving the fingertip:
         # (I - pinv J) h = h - pinv (J h).
-        h = self._home - q
+        h = task._home - q
         dq += cfg.null_gain * (h - px * ((jx * h) @ ones)[:, None] - py * ((jy * h) @ ones)[:, None])
-        action = dq / self.task.max_delta
+        action = dq / task.max_delta
         # Scale the whole vector down rather than clip each joint: keeps the direction.
         scale = np.maximum(1.0, np.abs(action).max(axis=-1, keepdims=True))
         out: np.ndarray = (action / scale).astype(self.spec.action.dtype)
