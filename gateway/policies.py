@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from gateway.episode import EnvSpec, Obs
+from gateway.steps import filled
 
 
 class Policy(abc.ABC):
@@ -196,9 +197,7 @@ class InProcessSource(ActionSource):
         # Scripted policies have one mode; RandomPolicy is random by design, also in evaluation.
         actions = self.policy.act(obs)
         n = len(actions)
-        versions = np.empty(n, np.int64)
-        versions.fill(self.policy.version)  # np.full costs twice as much on a one-env batch
-        self._done.append((key, actions, versions, None))
+        self._done.append((key, actions, filled(n, self.policy.version, np.int64), None))
 
     def results(self) -> list[tuple[Any, np.ndarray | None, np.ndarray | None, str | None]]:
         done, self._done = self._done, []

@@ -32,6 +32,7 @@ import numpy as np
 
 from gateway.metrics import Histogram
 from gateway.protocol import ErrorCode, Message, MsgType, error_message
+from gateway.steps import filled
 from inference.backends import LoadedPolicy
 
 log = logging.getLogger(__name__)
@@ -363,8 +364,7 @@ class Batcher:
         done = time.monotonic()
         finite = np.isfinite(actions).reshape(rows, -1).all(axis=1)  # per row
         all_finite = np.count_nonzero(finite) == rows  # else each request checks its own rows
-        versions = np.empty(rows, np.int64)
-        versions.fill(policy.version)
+        versions = filled(rows, policy.version, np.int64)
         answered: list[float] = []
         for request, (start, end) in zip(live, spans):
             if done >= request.deadline:

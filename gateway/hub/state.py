@@ -27,7 +27,7 @@ from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
 from gateway.protocol import ErrorCode, Limits, Message, ProtocolError, unpack
 from gateway.shm import ShmView
-from gateway.steps import StepInfo
+from gateway.steps import StepInfo, filled
 from gateway.trajectory import Transitions
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,7 @@ class WorkerSession:
             obs = self.pending_obs if full else {k: v[rows] for k, v in self.pending_obs.items()}
             action = self.action if full else self.action[rows]
             versions = self.versions if full else self.versions[rows]
-            t_action, t_capture = np.empty(len(rows)), captures[rows]
-            t_action.fill(self.t_action)  # np.full costs twice as much on a one-env batch
+            t_action, t_capture = filled(len(rows), self.t_action), captures[rows]
             episode, step = episodes[rows], steps[rows]
         columns = {
             "reward": info.reward[rows],

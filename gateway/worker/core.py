@@ -35,9 +35,7 @@ def action_versions(msg: Message, n: int) -> np.ndarray:
     """Policy version per env of an ACTION: ``meta["version"]`` when uniform, else the array."""
     if "policy_version" in msg.arrays:
         return np.asarray(msg.arrays["policy_version"], dtype=np.int64)
-    versions = np.empty(n, np.int64)
-    versions.fill(int(msg.meta.get("version", 0)))  # np.full costs twice as much at one env
-    return versions
+    return steps.filled(n, int(msg.meta.get("version", 0)), np.int64)
 
 
 class FatalWorkerError(Exception):
@@ -308,8 +306,7 @@ class EnvWorker:
         n = self.backend.num_envs
         version = action_versions(action_msg, n)
         old_episode, old_step = self._episode.copy(), self._step.copy()
-        t_action = np.empty(n)
-        t_action.fill(float(action_msg.meta.get("t_action", time.time())))
+        t_action = steps.filled(n, float(action_msg.meta.get("t_action", time.time())))
         received = time.time()
         started = time.perf_counter()
         obs, reward, terminated, truncated, info = self.backend.step(action)
