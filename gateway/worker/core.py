@@ -305,6 +305,7 @@ class EnvWorker:
         action = np.asarray(action_msg.arrays["action"])
         n = self.backend.num_envs
         version = action_versions(action_msg, n)
+        self._tapped = (action, version)  # what the tap shows with the observation it leads to
         old_episode, old_step = self._episode.copy(), self._step.copy()
         t_action = steps.filled(n, float(action_msg.meta.get("t_action", time.time())))
         received = time.time()
@@ -418,9 +419,7 @@ class EnvWorker:
             else:  # COMMAND stop
                 return
             nxt.meta["rtt_us"] = round(self._rtt_us, 1)
-            if reply.type is MsgType.ACTION:
-                self._tapped = (reply.arrays["action"], action_versions(reply, len(self._step)))
-            else:
+            if reply.type is not MsgType.ACTION:  # _apply_action keeps the action it applied
                 self._tapped = (None, None)
             self._last_obs_msg = nxt
             outgoing = nxt
