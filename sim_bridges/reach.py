@@ -139,7 +139,8 @@ class ReachTask:
         return np.asarray(self.link_lengths)
 
     @functools.cached_property
-    def _home(self) -> FloatArray:
+    def home(self) -> FloatArray:
+        """:attr:`home_joint_pos` as a float64 array (built once)."""
         return np.asarray(self.home_joint_pos, dtype=np.float64)
 
     @functools.cached_property
@@ -178,7 +179,7 @@ class ReachTask:
     def sample_initial(self, rng: np.random.Generator) -> tuple[FloatArray, FloatArray]:
         """Start posture (rad, [3]) and target (m, [2]) of one episode."""
         noise = rng.uniform(-self.init_noise, self.init_noise, size=3)
-        joint_pos = np.clip(self._home + noise, self._low, self._high)
+        joint_pos = np.clip(self.home + noise, self._low, self._high)
         # sqrt of a uniform squared radius: uniform over the annulus's area, not its radius.
         radius = np.sqrt(rng.uniform(self.target_min_radius**2, self.target_max_radius**2))
         angle = rng.uniform(-self.target_max_angle, self.target_max_angle)
@@ -414,7 +415,7 @@ class ReachPDPolicy(Policy):
         # The spare degree of freedom drifts toward the home posture, away from the
         # joint limits and the straight-arm singularity, without moving the fingertip:
         # (I - pinv J) h = h - pinv (J h).
-        h = task._home - q
+        h = task.home - q
         dq += cfg.null_gain * (h - px * ((jx * h) @ ones)[:, None] - py * ((jy * h) @ ones)[:, None])
         action = dq / task.max_delta
         # Scale the whole vector down rather than clip each joint: keeps the direction.
