@@ -307,8 +307,8 @@ class EnvWorker:
         version = action_versions(action_msg, n)
         self._tapped = (action, version)  # what the tap shows with the observation it leads to
         old_episode, old_step = self._episode.copy(), self._step.copy()
-        t_action = steps.filled(n, float(action_msg.meta.get("t_action", time.time())))
         received = time.time()
+        t_action = steps.filled(n, float(action_msg.meta.get("t_action", received)))
         started = time.perf_counter()
         obs, reward, terminated, truncated, info = self.backend.step(action)
         step_us = (time.perf_counter() - started) * 1e6
