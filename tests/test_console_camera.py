@@ -54,18 +54,19 @@ def ctx():
 
 
 def test_the_tap_sends_nothing_until_someone_listens_and_then_at_most_max_hz(ctx):
-    tap = ObservationTap(ctx, "tcp://127.0.0.1:0", uid="w0", max_hz=20.0)
+    # 2 Hz: a window wide enough that a loaded machine cannot outlast it between two calls.
+    tap = ObservationTap(ctx, "tcp://127.0.0.1:0", uid="w0", max_hz=2.0)
     try:
         assert not tap.publish(obs_message(1), None, None)  # nobody listens: not even built
         reader = TapReader(ctx, [tap.address])
         wait_for(lambda: (tap._hear_subscriptions(), tap.listeners)[1] == 1, 5, what="the subscription")
         assert tap.publish(obs_message(2), np.zeros((2, 3), np.float32), np.array([7, 7]))
-        assert not tap.publish(obs_message(3), None, None)  # within 1/20 s of the last
+        assert not tap.publish(obs_message(3), None, None)  # within 1/2 s of the last
         got = reader.poll(2.0)
         assert set(got) == {"w0"} and got["w0"].seq == 2
         assert got["w0"].policy_version.tolist() == [7, 7] and got["w0"].num_envs == 2
         np.testing.assert_allclose(got["w0"].obs["joint_pos"], 0.2)
-        time.sleep(0.06)
+        time.sleep(0.5)
         assert tap.publish(obs_message(4), None, None)
         assert reader.poll(2.0)["w0"].action is None
         reader.close()
