@@ -173,8 +173,10 @@ def test_a_trainer_restarted_after_a_rank_or_the_whole_run_died_never_reuses_a_v
     )
     kinds = ["kill.trainer", "kill.all"]
     report = chaos(tmp_path, config, kinds, seed=17)
-    # Restarted inference servers act with version 0 until the next publication (the
-    # known defect of test_a_restarted_inference_server_never_acts_with_an_older_policy).
+    # After kill.all the gateway is new too and knows no newer version, so until the
+    # resumed trainer's first publication the restarted servers' initial weights may act,
+    # stored with their true version, 0 (docs/reliability.md). A single restarted server
+    # is held to more: test_a_restarted_inference_server_never_acts_with_an_older_policy.
     report["problems"] = [p for p in report["problems"] if "policy version went backwards" not in p]
     assert_held(report, kinds)
     assert report["check"]["trainer_version"] > 0
