@@ -52,6 +52,11 @@ WARMUP_PUBLICATIONS = 3
 server reassembles into buffers of versions retired two swaps later, so from the third
 publication on no 100 MB-scale allocation (and its page faults) is left in the path:
 the steady state of a trainer publishing every K updates."""
+SETTLE_S = 0.02
+"""Pause between a publication's answer and the raw send it is compared with. Once it has
+answered, the server builds the next version's module structure on its core (1-2 ms of
+Python at normal priority): a raw send meanwhile shared that core and was measured up to
+twice as slow (4.5-4.8 ms against 2.3-2.4 ms settled), which flattered the ratio."""
 
 NAMES: tuple[str, ...] = (
     *(f"trainer.{m}.np{n}" for m in ("updates_per_s", "samples_per_s", "data_wait_frac") for n in (1, 2)),
@@ -197,6 +202,7 @@ def _publish_sizes(world: Any, tmp: Path, sizes: list[str], repeats: int) -> dic
                     if version <= WARMUP_PUBLICATIONS:
                         continue
                     figures.setdefault(f"weights.sync_s.{label}", []).append(elapsed)
+                    time.sleep(SETTLE_S)
                     figures.setdefault(f"zmq.raw_send_s.{label}", []).append(
                         raw_send_ms(arrays, DEFAULT_BUCKET_BYTES) / 1e3
                     )
