@@ -230,6 +230,27 @@ def _writable(arr: np.ndarray) -> np.ndarray:
     return arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr)
 
 
+def _assign_state(actor: Any, tensors: dict[str, Any]) -> None:
+    """Make ``tensors`` the actor's parameters (and persistent buffers), by name, without
+    copying them.
+
+    What ``load_state_dict(tensors, assign=True)`` does, without its walk of every module
+    and its hooks (0.3 ms of a 1M-parameter swap); the networks here define no load hooks.
+    The names, dtypes and shapes were checked against the network (:func:`check_state_dict`).
+    """
+    from torch import nn
+
+    for name, tensor in tensors.items():
+        prefix, _, attr = name.rpartition(".")
+        owner = actor.get_submodule(prefix) if prefix else actor
+        if attr in owner._parameters:
+            owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+        elif attr in owner._buffers and attr not in owner._non_persistent_buffers_set:
+            owner._buffers[attr] = tensor
+        else:
+            raise WeightsError(ErrorCode.BAD_WEIGHTS, f"{name!r} is not in the network's state dict")
+
+
 class TorchBackend(Backend):
     name = "torch"
 
@@ -263,10 +284,16 @@ class TorchBackend(Backend):
 
     def prepare(self) -> None:
         # Building the module structure costs about a millisecond of Python, as much as
-        # the rest of a small network's swap: do it before the next version arrives.
+        # the rest of a small network's swap: do it before the next version arrives, with
+        # its action bounds on the device and in eval mode (another 0.3 ms of module walks).
         if self._skeleton is None:
             with self.torch.device("meta"):
-                self._skeleton = self._make_actor(self.spec, self.config.network)
+                skeleton = self._make_actor(self.spec, self.config.network)
+            for name, buf in self.template.named_buffers():
+                prefix, _, attr = name.rpartition(".")
+                owner = skeleton.get_submodule(prefix) if prefix else skeleton
+                owner.register_buffer(attr, buf.to(self.device, copy=True), persistent=False)
+            self._skeleton = skeleton.eval()
 
     def _empty_actor(self) -> Any:
         """An actor with uninitialised parameters on the device (a random initialisation
@@ -287,15 +314,10 @@ class TorchBackend(Backend):
             # The received arrays (or the device copies of a CUDA IPC publication, which
             # nobody else holds) become the parameters themselves: no copy of the weights.
             actor = self._meta_actor()
-            actor.load_state_dict(tensors, strict=True, assign=True)
-            for name, buf in self.template.named_buffers():  # the action bounds
-                module, _, attr = name.rpartition(".")
-                owner = actor.get_submodule(module) if module else actor
-                owner.register_buffer(attr, buf.clone(), persistent=False)
+            _assign_state(actor, tensors)
         else:
             actor = self._empty_actor()
             actor.load_state_dict(tensors, strict=True)
-        actor.to(self.device).eval()
         c = self.config
         policy = TorchPolicy(actor, version, self.device, c.batch_buckets, c.cuda_graphs)
         self.smoke_test(policy)

@@ -256,3 +256,42 @@ def test_an_image_too_small_for_the_convolutions_is_refused_by_name():
 
     with pytest.raises(ValueError, match="36x36 image is too small for 4 conv layers"):
         ImageEncoder((36, 36, 3), NetworkConfig(hidden_sizes=(16,), cnn_channels=(8, 8, 8, 8)))
+
+
+def test_a_torch_version_runs_on_the_received_arrays_themselves():
+    """A host version's parameters are the received arrays (no copy), in eval mode, with the
+    network's action bounds; building the next version leaves the serving one as it was."""
+    spec = experiment_spec("mujoco_reach", {})
+    backend = TorchBackend(spec, InferenceConfig(backend="torch", network=SMALL))
+    first = state_dict_numpy(make_actor(spec, SMALL, seed=1))
+    policy = backend.from_state_dict(first, 1)
+    params = dict(policy.actor.named_parameters())
+    assert set(params) == set(first)
+    for name, arr in first.items():
+        assert np.shares_memory(params[name].detach().numpy(), arr), name
+    assert not policy.actor.training
+    for name, buf in backend.template.named_buffers():
+        assert torch.equal(policy.actor.get_buffer(name), buf), name
+    obs = random_obs(spec, 4)
+    eps = np.zeros((4, *backend.action_shape), np.float32)
+    before = policy.run(obs, eps)
+    second = backend.from_state_dict(state_dict_numpy(make_actor(spec, SMALL, seed=2)), 2)
+    assert second.actor is not policy.actor
+    assert not np.allclose(second.run(obs, eps), before)
+    np.testing.assert_array_equal(policy.run(obs, eps), before)
+    with torch.inference_mode():
+        reference = make_actor(spec, SMALL, seed=1).eval()
+        expected = reference({k: torch.from_numpy(v) for k, v in obs.items()}, torch.from_numpy(eps))
+    np.testing.assert_allclose(before, expected.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_assigning_a_state_dict_fills_persistent_buffers_and_refuses_other_names():
+    from inference.backends import _assign_state
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    weight, mean = torch.ones(3, 2), torch.full((3,), 5.0)
+    _assign_state(net, {"0.weight": weight, "1.running_mean": mean})
+    assert net[0].weight.data_ptr() == weight.data_ptr()
+    assert net[1].running_mean is mean
+    with pytest.raises(WeightsError, match=r"'0\.nothing'"):
+        _assign_state(net, {"0.nothing": weight})
