@@ -203,9 +203,13 @@ def test_a_budget_spent_during_the_untrained_round_publishes_only_after_it(tmp_p
     """Ten updates take far less than the untrained round's long episodes: the trainer
     stops while that round runs. Its last publication waits for the round to end, so that
     no episode of it acts with the trained weights (the learning curve's first point stays
-    the untrained policy's), and the round is recorded with the updates done."""
+    the untrained policy's), and the round is recorded with the updates done.
+
+    The round's episodes are 1 000 steps long: with 400, a loaded machine (the trainer is
+    niced, collection is not) once gave the round's end and the tenth update together, so
+    that the trainer had nothing left to wait for."""
     run = tmp_path / "run"
-    path = untrained_round_run(tmp_path, 400, max_updates=10)
+    path = untrained_round_run(tmp_path, 1000, max_updates=10)
     _, summary = finish(up(path, run), run)
     rounds = trainer_records(run, "eval")
     assert len(rounds) == 1 and rounds[0]["eval"]["policy_version"] <= 1, rounds
