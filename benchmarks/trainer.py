@@ -12,7 +12,8 @@
   it acknowledges (transfer, validation, load, swap), against
   ``zmq.raw_send_s.<size>``: the same bytes in the same buckets over the same socket
   type (DEALER to ROUTER) to a receiver that only acknowledges. Target ratio <= 1.5.
-  Steady state: the first ``WARMUP_PUBLICATIONS`` publications are not timed.
+  Steady state: the first ``WARMUP_PUBLICATIONS`` publications are not timed; then
+  medians of at least ``SYNC_PUBLICATIONS`` publications per size.
 - ``policy_lag.p99.async``: the 99th percentile of policy lag (versions) over every
   step recorded by ``loopgate up`` in async mode with the trainer, inference server and
   replay service under full collection load (the gateway measures it per step).
@@ -52,6 +53,10 @@ WARMUP_PUBLICATIONS = 3
 server reassembles into buffers of versions retired two swaps later, so from the third
 publication on no 100 MB-scale allocation (and its page faults) is left in the path:
 the steady state of a trainer publishing every K updates."""
+SYNC_PUBLICATIONS: dict[str, int] = {"1M": 30, "10M": 10}
+"""Timed publications per size (at least ``--repeats``): a 1M publication takes 4-6 ms,
+which moves by a millisecond or more between publications on a shared machine, so a median of
+three (what ``--repeats 5`` gave) moved the ratio by 0.1-0.5 between runs."""
 SETTLE_S = 0.02
 """Pause between a publication's answer and the raw send it is compared with. Once it has
 answered, the server builds the next version's module structure on its core (1-2 ms of
@@ -192,7 +197,8 @@ def _publish_sizes(world: Any, tmp: Path, sizes: list[str], repeats: int) -> dic
             publisher = WeightsPublisher([addresses], timeout_s=300.0)
             arrays = None
             try:
-                for version in range(1, WARMUP_PUBLICATIONS + repeats + 1):
+                timed = max(repeats, SYNC_PUBLICATIONS.get(label, 0))
+                for version in range(1, WARMUP_PUBLICATIONS + timed + 1):
                     t0 = time.perf_counter()
                     # Into the last snapshot's buffers, as the trainer's publisher does
                     # once a publication has been answered.
