@@ -230,6 +230,12 @@ def _writable(arr: np.ndarray) -> np.ndarray:
     return arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr)
 
 
+def _owner(module: Any, name: str) -> tuple[Any, str]:
+    """The submodule that holds the dotted state-dict ``name``, and the name there."""
+    prefix, _, attr = name.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), attr
+
+
 def _assign_state(actor: Any, tensors: dict[str, Any]) -> None:
     """Make ``tensors`` the actor's parameters (and persistent buffers), by name, without
     copying them.
@@ -241,8 +247,7 @@ def _assign_state(actor: Any, tensors: dict[str, Any]) -> None:
     from torch import nn
 
     for name, tensor in tensors.items():
-        prefix, _, attr = name.rpartition(".")
-        owner = actor.get_submodule(prefix) if prefix else actor
+        owner, attr = _owner(actor, name)
         if attr in owner._parameters:
             owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
         elif attr in owner._buffers and attr not in owner._non_persistent_buffers_set:
@@ -290,8 +295,7 @@ class TorchBackend(Backend):
             with self.torch.device("meta"):
                 skeleton = self._make_actor(self.spec, self.config.network)
             for name, buf in self.template.named_buffers():
-                prefix, _, attr = name.rpartition(".")
-                owner = skeleton.get_submodule(prefix) if prefix else skeleton
+                owner, attr = _owner(skeleton, name)
                 owner.register_buffer(attr, buf.to(self.device, copy=True), persistent=False)
             self._skeleton = skeleton.eval()
 
