@@ -78,6 +78,21 @@ class Evaluator:
         """A round is under way (not all of its episodes have ended)."""
         return self.round is not None and not self.round.done
 
+    def lifts_hold(self, uid: str | None = None) -> bool:
+        """Whether the round lets worker ``uid`` step through the sink's backpressure (``None``:
+        any worker). While it still hands out episodes, every worker: an env takes one only
+        when its current episode ends. After that, only workers with an env in one of its
+        episodes. Training episodes beside a round stay paced by the sink: stepped past it,
+        they lump data of older policy versions into the replay tables, and collection then
+        waits while the trainer uses it up."""
+        r = self.round
+        if r is None or r.done:
+            return False
+        if uid is None or r.assigned < r.requested:
+            return True
+        flags = self._flags.get(uid)
+        return flags is not None and bool(np.count_nonzero(flags))
+
     def flags(self, uid: str, num_envs: int) -> np.ndarray:
         flags = self._flags.get(uid)
         if flags is None or len(flags) != num_envs:

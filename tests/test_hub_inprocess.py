@@ -8,6 +8,7 @@ queue exactly what the gateway will find on its next loop turn.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from gateway.policies import InProcessSource, make_policy
 from gateway.protocol import Message, MsgType, pack, recv, send
 from gateway.recorder import Recorder
 from gateway.store import EpisodeStore, StoreSink
+from sim_bridges.counter import CounterBackend, CounterConfig
 from tests.conformance.episode_backend import EpisodeBackendConformance
 from tests.conftest import wait_for
 
@@ -271,6 +273,78 @@ def test_an_evaluation_round_runs_through_backpressure_that_holds_training_colle
             hub.stop()
         hub.gateway.close()
         ctx.destroy(linger=0)
+
+
+class PacedCounter(CounterBackend):
+    """Counters that take ``STEP_S`` a step, so that an evaluation episode (20 steps) lasts
+    long enough for a second worker to arrive while it runs."""
+
+    STEP_S = 0.02
+
+    def step(self, action: Any) -> Any:
+        time.sleep(self.STEP_S)
+        return super().step(action)
+
+
+def test_under_backpressure_a_round_holds_the_workers_it_does_not_need(tmp_path):
+    """Backpressure lifts for an evaluation round only where the round needs it: once its
+    episodes are handed out, a worker with none of them waits for the sink like the rest
+    of training collection. Stepped on, its training steps would pass the replay's rate
+    limiter in a lump, and collection would then wait while the trainer used up data of
+    older policy versions."""
+    from gateway.worker import EnvWorker
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    hub = InProcessGateway(tmp_path, ctx)
+    sink = SwitchableSink(EpisodeStore(tmp_path / "blocked-episodes"))
+    hub.gateway.recorder.sink = sink
+    address = hub.gateway.addresses["workers"]
+    runs: list[tuple[Any, threading.Thread]] = []
+
+    def start(worker: Any) -> Any:
+        runs.append((worker, threading.Thread(target=worker.run, daemon=True)))
+        runs[-1][1].start()
+        return worker
+
+    try:
+        hub.start()
+        a = start(EnvWorker(PacedCounter(CounterConfig(), num_envs=2), address, uid="w-a", context=ctx))
+        wait_for(lambda: a.env_steps >= 4, timeout=30, what="the first worker collecting")
+        sink.refusing = True
+        wait_for(lambda: hub.gateway.hold_reason() == "backpressure", timeout=10, what="the hold")
+        control = hub.dealer("control")
+        send(control, Message(MsgType.COMMAND, seq=1, meta={"cmd": "evaluate", "episodes": 1}))
+        wait_for(lambda: control.poll(0), timeout=10, what="the evaluation's start")
+        assert recv(control).meta["started"] is True
+        evaluator = hub.gateway.evaluator
+        wait_for(
+            lambda: evaluator.round is not None and evaluator.round.assigned == 1,
+            timeout=30,
+            what="the round's one episode handed out",
+        )
+        # A worker that arrives now has no env in the round: it waits with training.
+        b = start(EnvWorker(make_backend("counter", num_envs=2, seed=1), address, uid="w-b", context=ctx))
+        wait_for(lambda: "w-b" in hub.gateway.sessions, timeout=30, what="the second worker registered")
+        wait_for(
+            lambda: evaluator.status()["rounds_done"] == 1,
+            timeout=60,
+            what="the evaluation round finished under backpressure",
+        )
+        assert b.env_steps == 0
+        assert hub.gateway.hold_reason() == "backpressure"
+        sink.refusing = False
+        wait_for(lambda: b.env_steps > 0 and a.env_steps > 0, timeout=30, what="both workers stepping again")
+        control.close()
+    finally:
+        for worker, _ in runs:
+            worker.stop_event.set()
+        for _, thread in runs:
+            thread.join(timeout=30)
+        if hub._thread is not None and hub._thread.is_alive():
+            hub.stop()
+        hub.gateway.close()
+        ctx.destroy(linger=0)
+    assert not any(thread.is_alive() for _, thread in runs)
 
 
 def test_a_round_that_ended_after_the_trainer_stopped_is_recorded_once(tmp_path):

@@ -138,13 +138,15 @@ class Gateway:
             )
         send(sock, error_message(exc.code.value, exc.message, seq), route=[route])
 
-    def hold_reason(self, *, policy: bool = True) -> str | None:
+    def hold_reason(self, *, policy: bool = True, session: WorkerSession | None = None) -> str | None:
         """Why no step may be taken now (see :meth:`Collection.hold_reason`), or None; the
-        policy lag bound applies to the experiment's own policy (``policy``) only."""
+        policy lag bound applies to the experiment's own policy (``policy``) only. With
+        ``session``, for that worker: an evaluation round lifts backpressure only for the
+        workers it needs (:meth:`Evaluator.lifts_hold`)."""
         return self.state.hold_reason(
             sink_blocked=self.recorder.sink.blocked,
             lag_exceeded=policy and self.lag_exceeded,
-            evaluating=self.evaluator.running,
+            evaluating=self.evaluator.lifts_hold(None if session is None else session.uid),
             spool_failing=self.recorder.spool_error is not None,
         )
 
@@ -159,6 +161,10 @@ class Gateway:
     @property
     def collecting(self) -> bool:
         return self.hold_reason() is None
+
+    def collecting_for(self, session: WorkerSession) -> bool:
+        """Whether ``session``'s worker may step now, for the experiment's policy."""
+        return self.hold_reason(session=session) is None
 
     @property
     def lag_exceeded(self) -> bool:
@@ -349,7 +355,7 @@ class Gateway:
         """To a client, the action source, or held."""
         if session.client is not None:
             self.clients.forward_observation(session, msg)
-        elif self.collecting and self.source is not None:
+        elif self.source is not None and self.collecting_for(session):
             self._submit(session)
         else:
             session.held = True  # answered when collection resumes
@@ -482,10 +488,15 @@ class Gateway:
 
     def resubmit_waiting(self) -> None:
         self.clients.release_held()
-        if not self.collecting or self.source is None:
+        if self.source is None:
             return
         for session in self.sessions.values():
-            if session.awaiting is not None and not session.submitted and session.client is None:
+            if (
+                session.awaiting is not None
+                and not session.submitted
+                and session.client is None
+                and self.collecting_for(session)
+            ):
                 self._submit(session)
 
     # -------------------------------------------------------------------- loop

@@ -48,7 +48,7 @@ def order(gw: Any, session: WorkerSession) -> str:
     ``act`` (the in-process policy answers now; its ACTION leaves first), ``request`` (an
     inference server computes meanwhile; its ACTION comes after the write) or ``write``
     (a client drives the worker, or collection holds: written first)."""
-    if session.client is not None or gw.source is None or not gw.collecting:
+    if session.client is not None or gw.source is None or not gw.collecting_for(session):
         return "write"
     return "act" if gw.source.synchronous else "request"
 

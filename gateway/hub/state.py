@@ -75,10 +75,11 @@ class Collection:
         """Why no step may be taken now, or None: ``estop``, ``draining`` (the run is
         ending), ``paused``, ``budget`` (spent, and no evaluation round running: evaluations
         run outside the budget), ``storage`` (the spool cannot write: disk full),
-        ``backpressure`` (the sink is not storing, and no evaluation round running: an
+        ``backpressure`` (the sink is not storing, and ``evaluating`` does not lift it: an
         evaluation's steps never reach a replay table, so a trainer that samples slowly
-        must not pace it; what the sink cannot take meanwhile waits in the spool, and a
-        round is a bounded number of episodes) or
+        must not pace a round; the gateway lifts it per worker, for those the round needs;
+        what the sink cannot take meanwhile waits in the spool, and a round is a bounded
+        number of episodes) or
         ``policy_lag`` (callers pass ``lag_exceeded`` only for the experiment's own policy)."""
         if self.estopped:
             return "estop"
