@@ -332,8 +332,11 @@ def test_under_backpressure_a_round_holds_the_workers_it_does_not_need(tmp_path)
         )
         assert b.env_steps == 0
         assert hub.gateway.hold_reason() == "backpressure"
+        held_at = a.env_steps
         sink.refusing = False
-        wait_for(lambda: b.env_steps > 0 and a.env_steps > 0, timeout=30, what="both workers stepping again")
+        wait_for(
+            lambda: b.env_steps > 0 and a.env_steps > held_at, timeout=30, what="both workers stepping again"
+        )
         control.close()
     finally:
         for worker, _ in runs:
