@@ -286,7 +286,7 @@ class PacedCounter(CounterBackend):
         return super().step(action)
 
 
-def test_under_backpressure_a_round_holds_the_workers_it_does_not_need(tmp_path):
+def test_under_backpressure_a_round_holds_the_workers_it_does_not_need(hub, tmp_path):
     """Backpressure lifts for an evaluation round only where the round needs it: once its
     episodes are handed out, a worker with none of them waits for the sink like the rest
     of training collection. Stepped on, its training steps would pass the replay's rate
@@ -294,8 +294,7 @@ def test_under_backpressure_a_round_holds_the_workers_it_does_not_need(tmp_path)
     older policy versions."""
     from gateway.worker import EnvWorker
 
-    ctx: zmq.Context[Any] = zmq.Context()
-    hub = InProcessGateway(tmp_path, ctx)
+    ctx = hub.ctx
     sink = SwitchableSink(EpisodeStore(tmp_path / "blocked-episodes"))
     hub.gateway.recorder.sink = sink
     address = hub.gateway.addresses["workers"]
@@ -338,15 +337,11 @@ def test_under_backpressure_a_round_holds_the_workers_it_does_not_need(tmp_path)
             lambda: b.env_steps > 0 and a.env_steps > held_at, timeout=30, what="both workers stepping again"
         )
         control.close()
-    finally:
+    finally:  # the workers first: the fixture then stops the gateway and its context
         for worker, _ in runs:
             worker.stop_event.set()
         for _, thread in runs:
             thread.join(timeout=30)
-        if hub._thread is not None and hub._thread.is_alive():
-            hub.stop()
-        hub.gateway.close()
-        ctx.destroy(linger=0)
     assert not any(thread.is_alive() for _, thread in runs)
 
 

@@ -158,10 +158,6 @@ class Gateway:
             spool=self.recorder.spool_error,
         )
 
-    @property
-    def collecting(self) -> bool:
-        return self.hold_reason() is None
-
     def collecting_for(self, session: WorkerSession) -> bool:
         """Whether ``session``'s worker may step now, for the experiment's policy."""
         return self.hold_reason(session=session) is None
