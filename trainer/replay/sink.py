@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 REFUSALS = ("storage", "rate_limited", "unavailable")
 """Error codes that mean "not now": the chunk is resent after ``storage_retry_s``."""
+REFUSAL_LOG_S = 30.0
+"""A refusal of the same kind is logged (with the recovery after it) at most once in this
+long. Under a samples-per-insert ratio the service refuses and takes chunks again many
+times a minute as a matter of course: logging each turn filled the gateway's log."""
 
 
 class ReplaySink(TrajectorySink):
@@ -70,6 +74,10 @@ class ReplaySink(TrajectorySink):
         self._acked: list[str] = []
         self._refused_until = 0.0
         self.refusal: str | None = None
+        self._refusal_log = ("", 0.0, 0)
+        """The last refusal logged: its code, when, and the refusals counted since."""
+        self._recovery_due = False
+        """A refusal was logged, so the recovery after it will be."""
         self.counters = {"sent": 0, "resent": 0, "acked": 0, "refused": 0, "bad": 0, "reconnects": 0}
         self._seq = 0
 
@@ -114,7 +122,9 @@ class ReplaySink(TrajectorySink):
                         self._acked.append(cid)
                         self.counters["acked"] += 1
                 if self.refusal is not None and msg.meta.get("ids"):
-                    log.info("replay service acknowledges chunks again (after %s)", self.refusal)
+                    if self._recovery_due:
+                        log.info("replay service acknowledges chunks again (after %s)", self.refusal)
+                        self._recovery_due = False
                     self.refusal = None
             elif msg.type is MsgType.ERROR:
                 self._on_error(msg)
@@ -127,9 +137,7 @@ class ReplaySink(TrajectorySink):
         if code in REFUSALS:
             self.counters["refused"] += 1
             if self.refusal is None:
-                log.warning(
-                    "replay service refuses chunks (%s): %s; holding them", code, msg.meta.get("message")
-                )
+                self._log_refusal(code, str(msg.meta.get("message")))
             self.refusal = code
             self._refused_until = time.monotonic() + self.retry_s
             if isinstance(cid, str) and cid in self._unacked:
@@ -139,6 +147,25 @@ class ReplaySink(TrajectorySink):
         # is a bug to fix, not data to drop.
         self.counters["bad"] += 1
         log.error("replay service refused chunk %s: [%s] %s", cid, code, msg.meta.get("message"))
+
+    def _log_refusal(self, code: str, message: str) -> None:
+        """A new refusal: logged unless one of the same kind was, less than
+        :data:`REFUSAL_LOG_S` ago (then it is counted for the next line)."""
+        last_code, last_at, since = self._refusal_log
+        now = time.monotonic()
+        if code == last_code and now - last_at < REFUSAL_LOG_S:
+            self._refusal_log = (last_code, last_at, since + 1)
+            return
+        earlier = (
+            f"; held back {since} more time(s) since the last such line"
+            if code == last_code and since
+            else ""
+        )
+        # A ratio holding collection back is the table working as configured; a full disk is not.
+        level = logging.INFO if code == "rate_limited" else logging.WARNING
+        log.log(level, "replay service refuses chunks (%s): %s; holding them%s", code, message, earlier)
+        self._refusal_log = (code, now, 0)
+        self._recovery_due = True
 
     def follow(self, endpoints: dict[str, Any]) -> list[str]:
         """Re-point the socket if ``endpoints``' ``replay.ingest`` changed (the service
