@@ -37,6 +37,9 @@ from inference.backends import LoadedPolicy
 
 log = logging.getLogger(__name__)
 
+SWAP_LOG_S = 30.0
+"""A swap is logged at most once in this long; the swaps between are counted in that line."""
+
 Reply = Callable[[bytes, bytes, Message], None]
 """``reply(socket tag, route, message)``: queue an answer for the socket thread."""
 
@@ -196,6 +199,8 @@ class Batcher:
         self.newest = policy.version
         """Newest version serving or staged; a publication must be newer (reset by a rollback)."""
         self.rollback: tuple[bytes, bytes, int] | None = None
+        self._swap_log = (0.0, 0)
+        """When a swap was last logged (0: never), and the swaps since."""
 
     @property
     def version(self) -> int:
@@ -294,10 +299,22 @@ class Batcher:
             with self.stats.lock:
                 self.stats.counters["swaps"] += 1
                 self.stats.swap_ms.add(swap_ms)
-            log.info("now serving version %d (previous %d)", self.current.version, self.previous.version)
+            self._log_swap(self.current.version, self.previous.version)
             meta = {"version": self.current.version, "previous": self.previous.version, "swap_ms": swap_ms}
             msg = Message(MsgType.WEIGHTS_ACK, seq=staged.seq, meta=meta)
         self.reply(staged.tag, staged.route, msg)
+
+    def _log_swap(self, version: int, previous: int) -> None:
+        """The version now serving, at most once in :data:`SWAP_LOG_S` (the others counted):
+        a trainer publishing every few dozen updates swaps several times a second."""
+        last, since = self._swap_log
+        now = time.monotonic()
+        if last and now - last < SWAP_LOG_S:
+            self._swap_log = (last, since + 1)
+            return
+        more = f"; {since} more swap(s) since the last such line" if since else ""
+        log.info("now serving version %d (previous %d%s)", version, previous, more)
+        self._swap_log = (now, 0)
 
     def _roll_back(self, tag: bytes, route: bytes, seq: int) -> None:
         if self.previous is None:

@@ -422,7 +422,7 @@ class InferenceServer:
                 self._refuse(update.route, exc, update.seq)
                 continue
             policy.received = update.arrays
-            log.info(
+            log.debug(
                 "version %d loaded in %.1f ms; swapping it in", update.version, (time.monotonic() - t0) * 1e3
             )
             self.batcher.stage(Staged(policy, TAGS["weights"], update.route, update.seq, t0))

@@ -304,6 +304,26 @@ def test_serving_goes_on_while_versions_are_swapped(server):
         pub.close()
 
 
+def test_a_stream_of_publications_is_logged_once_with_a_count_not_once_each(tmp_path):
+    """A trainer publishes several times a second: the server's log says which version
+    serves once in ``SWAP_LOG_S`` (30 s; the next such line counts the swaps between),
+    not once for each publication."""
+    s = Server(tmp_path, "onnxruntime")
+    pub = publisher(s)
+    actor = make_actor(SPEC, NetworkConfig(hidden_sizes=(32, 32)), seed=5)
+    try:
+        start = s.metadata()["version"] + 1
+        for version in range(start, start + 6):
+            pub.publish(state_dict_numpy(actor), version)
+        assert s.metadata()["version"] == start + 5
+    finally:
+        pub.close()
+        s.close()
+    lines = [line for line in s.log.read_text().splitlines() if "now serving version" in line]
+    assert len(lines) == 1 and f"now serving version {start} " in lines[0], lines
+    assert "swapping it in" not in s.log.read_text()  # each load is a DEBUG line now
+
+
 def test_metrics_stream_has_counters_histograms_and_version(server):
     from gateway.metrics import Histogram, read_metrics
 
