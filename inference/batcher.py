@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.log_every import LogEvery
 from gateway.metrics import Histogram
 from gateway.protocol import ErrorCode, Message, MsgType, error_message
 from gateway.steps import filled
@@ -199,8 +200,7 @@ class Batcher:
         self.newest = policy.version
         """Newest version serving or staged; a publication must be newer (reset by a rollback)."""
         self.rollback: tuple[bytes, bytes, int] | None = None
-        self._swap_log = (0.0, 0)
-        """When a swap was last logged (0: never), and the swaps since."""
+        self._swap_log = LogEvery(SWAP_LOG_S)
 
     @property
     def version(self) -> int:
@@ -307,14 +307,11 @@ class Batcher:
     def _log_swap(self, version: int, previous: int) -> None:
         """The version now serving, at most once in :data:`SWAP_LOG_S` (the others counted):
         a trainer publishing every few dozen updates swaps several times a second."""
-        last, since = self._swap_log
-        now = time.monotonic()
-        if last and now - last < SWAP_LOG_S:
-            self._swap_log = (last, since + 1)
+        held = self._swap_log.passes()
+        if held is None:
             return
-        more = f"; {since} more swap(s) since the last such line" if since else ""
+        more = f"; {held} more swap(s) since the last such line" if held else ""
         log.info("now serving version %d (previous %d%s)", version, previous, more)
-        self._swap_log = (now, 0)
 
     def _roll_back(self, tag: bytes, route: bytes, seq: int) -> None:
         if self.previous is None:

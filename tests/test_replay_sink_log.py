@@ -8,7 +8,6 @@ while it refuses, ``CHUNK_ACK`` once it takes chunks again.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,7 @@ import zmq
 
 from gateway.protocol import Limits, Message, MsgType, error_message, recv_routed, send
 from tests.conformance.trajectory_sink import episode_chunks
-from trainer.replay import sink as sink_module
+from tests.conftest import wait_for
 from trainer.replay.sink import ReplaySink
 
 DEADLINE_S = 20.0
@@ -40,30 +39,34 @@ def ingest() -> Iterator[tuple[zmq.Socket[Any], str]]:
 def one_turn(sock: zmq.Socket[Any], sink: ReplaySink, cid: str, code: str) -> None:
     """The service refuses the next chunk it gets with ``code``, then acknowledges
     ``cid`` when the sink sends it again after its back-off."""
-    refused = acked = False
-    deadline = time.monotonic() + DEADLINE_S
-    while not acked:
-        assert time.monotonic() < deadline, f"no refusal and acknowledgement of {cid} within {DEADLINE_S} s"
+    answered: list[str] = []
+
+    def serve() -> bool:
+        """One turn of the sink and of the service; whether ``cid`` is acknowledged."""
         sink.tick()
         sink.poll_acks()
         if not sock.poll(5):
-            continue
+            return False
         route, msg, err = recv_routed(sock, Limits())
         assert err is None and msg is not None
         if msg.meta["chunk_id"] != cid:
-            continue  # an earlier chunk sent again: answered when its own turn comes
-        if not refused:
+            return False  # an earlier chunk sent again: answered when its own turn comes
+        if not answered:
             answer = error_message(code, "held back by the test", msg.seq)
             answer.meta["chunk_id"] = cid
-            refused = True
+            answered.append("refused")
         else:
             answer = Message(MsgType.CHUNK_ACK, meta={"ids": [cid]})
-            acked = True
+            answered.append("acked")
         send(sock, answer, route=[route])
-    while sink.backlog():  # the acknowledgement reaches the sink
-        assert time.monotonic() < deadline, "the sink did not take the acknowledgement"
-        sock.poll(5)
+        return answered[-1] == "acked"
+
+    def taken() -> bool:
         sink.poll_acks()
+        return not sink.backlog()
+
+    wait_for(serve, DEADLINE_S, interval=0.0, what=f"{cid} refused, then acknowledged")
+    wait_for(taken, DEADLINE_S, what="the sink to take the acknowledgement")
 
 
 def refusal_lines(caplog: pytest.LogCaptureFixture) -> tuple[list[logging.LogRecord], int]:
@@ -102,9 +105,9 @@ def test_a_refusal_after_the_quiet_period_or_of_another_kind_is_logged(ingest, c
 
         turn("rate_limited")
         turn("rate_limited")  # within the quiet period: counted, not logged
-        monkeypatch.setattr(sink_module, "REFUSAL_LOG_S", 0.0)
+        monkeypatch.setattr(sink.refusal_log, "seconds", 0.0)
         turn("rate_limited")  # the quiet period is over: logged, with the count
-        monkeypatch.setattr(sink_module, "REFUSAL_LOG_S", 30.0)
+        monkeypatch.setattr(sink.refusal_log, "seconds", 30.0)
         turn("storage")  # another kind: logged at once, as a warning
     finally:
         sink.close()

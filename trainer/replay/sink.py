@@ -28,6 +28,7 @@ from typing import Any
 
 import zmq
 
+from gateway.log_every import LogEvery
 from gateway.protocol import Message, MsgType, ProtocolError, recv, send
 from gateway.store import TrajectorySink
 from gateway.transport import CurveKeys, connect
@@ -74,8 +75,8 @@ class ReplaySink(TrajectorySink):
         self._acked: list[str] = []
         self._refused_until = 0.0
         self.refusal: str | None = None
-        self._refusal_log = ("", 0.0, 0)
-        """The last refusal logged: its code, when, and the refusals counted since."""
+        self.refusal_log = LogEvery(REFUSAL_LOG_S)
+        """Which refusals are logged (one of a kind in ``REFUSAL_LOG_S``)."""
         self._recovery_due = False
         """A refusal was logged, so the recovery after it will be."""
         self.counters = {"sent": 0, "resent": 0, "acked": 0, "refused": 0, "bad": 0, "reconnects": 0}
@@ -151,20 +152,13 @@ class ReplaySink(TrajectorySink):
     def _log_refusal(self, code: str, message: str) -> None:
         """A new refusal: logged unless one of the same kind was, less than
         :data:`REFUSAL_LOG_S` ago (then it is counted for the next line)."""
-        last_code, last_at, since = self._refusal_log
-        now = time.monotonic()
-        if code == last_code and now - last_at < REFUSAL_LOG_S:
-            self._refusal_log = (last_code, last_at, since + 1)
+        held = self.refusal_log.passes(code)
+        if held is None:
             return
-        earlier = (
-            f"; held back {since} more time(s) since the last such line"
-            if code == last_code and since
-            else ""
-        )
+        earlier = f"; held back {held} more time(s) since the last such line" if held else ""
         # A ratio holding collection back is the table working as configured; a full disk is not.
         level = logging.INFO if code == "rate_limited" else logging.WARNING
         log.log(level, "replay service refuses chunks (%s): %s; holding them%s", code, message, earlier)
-        self._refusal_log = (code, now, 0)
         self._recovery_due = True
 
     def follow(self, endpoints: dict[str, Any]) -> list[str]:
