@@ -158,9 +158,10 @@ def test_arrays_are_received_without_copies():
         np.testing.assert_array_equal(got, big)
         # A view of the received frame's buffer, not a private copy.
         base = got
-        while isinstance(base, np.ndarray):
-            base = base.base
-        assert isinstance(base, memoryview) and isinstance(base.obj, zmq.Frame)
+        while isinstance(base, (np.ndarray, memoryview)):
+            base = base.base if isinstance(base, np.ndarray) else base.obj
+        assert isinstance(base, zmq.Frame)
+        assert not got.flags.owndata
 
 
 MALFORMED = {
@@ -189,6 +190,10 @@ MALFORMED = {
         [header(a=[["x", "uint8", [1]], ["x", "uint8", [1]]]), b"0", b"0"],
         ErrorCode.BAD_HEADER,
     ),
+    "header key not a string": ([msgpack.packb({1: 1, "v": PROTOCOL_VERSION, "t": 5})], ErrorCode.BAD_HEADER),
+    "meta key not a string": ([header(m={1: "x"})], ErrorCode.BAD_HEADER),
+    "version as a bool": ([header(v=True)], ErrorCode.BAD_VERSION),
+    "trailing bytes": ([header() + b"\x00"], ErrorCode.BAD_HEADER),
 }
 
 
@@ -215,6 +220,61 @@ def test_limits_refuse_oversize_frames_headers_and_messages():
         decode(encode(two), small)
     with pytest.raises(ProtocolError, match="header of"):
         decode(encode(Message(MsgType.OBSERVATION, meta={"k": "x" * 1000})), small)
+
+
+def test_a_known_array_table_is_still_checked_against_every_message_and_limit():
+    """Array tables are checked once and kept (``codec._LAYOUTS``): a message that reuses
+    a table must still have frames of the announced sizes, and each receiver's limits."""
+    layout = [["obs/q", "float32", [2, 3]], ["done", "bool", [2]]]
+    good = [header(a=layout), np.zeros((2, 3), np.float32).tobytes(), b"\x00\x01"]
+    assert decode(good).arrays["done"].tolist() == [False, True]
+    assert decode(good).arrays["obs/q"].shape == (2, 3)  # the second time from the kept table
+    short = [good[0], good[1][:-4], good[2]]
+    with pytest.raises(ProtocolError) as info:
+        decode(short)
+    assert info.value.code is ErrorCode.LENGTH_MISMATCH and "'obs/q'" in info.value.message
+    with pytest.raises(ProtocolError) as info:
+        decode(good[:2])
+    assert info.value.code is ErrorCode.TRUNCATED
+    with pytest.raises(ProtocolError, match="over the frame limit") as info:
+        decode(good, Limits(max_frame_bytes=16))
+    assert info.value.code is ErrorCode.TOO_LARGE
+    with pytest.raises(ProtocolError, match="message is over") as info:
+        decode(good, Limits(max_message_bytes=len(good[0]) + 24))
+    assert info.value.code is ErrorCode.TOO_LARGE
+    lying = [good[0], bytes(64), good[2]]  # a frame larger than the limit, whatever the table says
+    with pytest.raises(ProtocolError, match="frame for array") as info:
+        decode(lying, Limits(max_frame_bytes=32))
+    assert info.value.code is ErrorCode.TOO_LARGE
+
+
+def test_a_peer_cannot_grow_the_kept_array_tables_without_bound(monkeypatch):
+    from gateway.protocol import codec
+
+    monkeypatch.setattr(codec, "MAX_LAYOUTS", 8)
+    monkeypatch.setattr(codec, "_LAYOUTS", {})
+    for n in range(50):
+        got = decode([header(a=[[f"k{n}", "uint8", [n]]]), bytes(n)])
+        assert got.arrays[f"k{n}"].shape == (n,)
+        assert len(codec._LAYOUTS) <= 8
+
+
+def test_meta_of_subclasses_of_plain_types_travels_as_those_types():
+    """A version string that is a ``str`` subclass (``torch.__version__``) or a
+    ``numpy.float64`` from a computation is sent as the plain value; a numpy ``int64``
+    or an object is refused with BAD_HEADER, as before."""
+
+    class Version(str):
+        pass
+
+    meta = {"torch": Version("2.13.0"), "mean": np.float64(0.25), "nested": [{"x": np.float64(1.5)}]}
+    got = decode(encode(Message(MsgType.REPLY, meta=meta))).meta
+    assert got == {"torch": "2.13.0", "mean": 0.25, "nested": [{"x": 1.5}]}
+    assert type(got["torch"]) is str and type(got["mean"]) is float
+    for bad in (np.int64(3), np.float32(1.0), object()):
+        with pytest.raises(ProtocolError) as info:
+            encode(Message(MsgType.REPLY, meta={"k": bad}))
+        assert info.value.code is ErrorCode.BAD_HEADER
 
 
 def test_object_arrays_cannot_be_sent():
