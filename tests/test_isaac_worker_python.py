@@ -3,7 +3,7 @@
 Isaac Sim 6.x brings Python 3.12 while loopgate's venv may be 3.11: these tests make a
 second venv on another minor version when the machine has one (else a second venv of
 this Python), install loopgate there with the ``worker`` extra only (numpy, pyzmq,
-msgpack, PyYAML: no MuJoCo, no torch, no rich), and collect through a real gateway from
+msgspec, PyYAML: no MuJoCo, no torch, no rich), and collect through a real gateway from
 a worker running in it. A bad ``env.python`` is a configuration error naming the fix.
 """
 
@@ -81,7 +81,7 @@ def test_worker_in_another_python_with_only_the_worker_extra_collects_through_th
     probe = (
         "import importlib.util, json, sys; print(json.dumps({'version': '%d.%d' % sys.version_info[:2], "
         "'have': {m: importlib.util.find_spec(m) is not None for m in "
-        "('numpy', 'zmq', 'msgpack', 'yaml', 'mujoco', 'torch', 'rich', 'gymnasium', 'prometheus_client')}}))"
+        "('numpy', 'zmq', 'msgspec', 'msgpack', 'yaml', 'mujoco', 'torch', 'rich', 'gymnasium', 'prometheus_client')}}))"
     )
     facts = json.loads(
         subprocess.run(
@@ -91,7 +91,8 @@ def test_worker_in_another_python_with_only_the_worker_extra_collects_through_th
     assert facts["have"] == {
         "numpy": True,
         "zmq": True,
-        "msgpack": True,
+        "msgspec": True,
+        "msgpack": False,
         "yaml": True,
         "mujoco": False,
         "torch": False,
