@@ -316,3 +316,34 @@ def test_every_message_layout_is_declared_and_checked_next_to_the_codec():
         "unexpected array(s) ['q'] in a worker observation",
     ]
     assert "INFER" in WORKER_OBSERVATION.problems(Message(MsgType.INFER, arrays=good.arrays))[0]
+
+
+def test_a_schema_answers_a_repeated_set_of_names_the_same_and_still_checks_meta(monkeypatch):
+    """A schema keeps its answer per set of array names (a peer repeats them every
+    message); the type and the meta are checked on every message, and the kept answers
+    are bounded."""
+    from gateway.protocol import schemas
+    from gateway.protocol.schemas import CLIENT_OBSERVATION
+
+    arrays = {"obs/q": np.zeros((1, 3)), "step_info": np.zeros((1, 8))}
+    with_meta = Message(MsgType.OBSERVATION, meta={"worker": 0, "reset": False}, arrays=arrays)
+    for _ in range(3):
+        assert CLIENT_OBSERVATION.problems(with_meta) == []
+    assert CLIENT_OBSERVATION.problems(Message(MsgType.OBSERVATION, meta={"worker": 0}, arrays=arrays)) == [
+        "meta 'reset' is missing"
+    ]
+    assert CLIENT_OBSERVATION.problems(Message(MsgType.ACTION, meta=with_meta.meta, arrays=arrays)) == [
+        "client observation is a OBSERVATION message, got ACTION"
+    ]
+    extra = Message(MsgType.OBSERVATION, meta=with_meta.meta, arrays={**arrays, "prev/action": np.zeros(1)})
+    for _ in range(2):
+        assert CLIENT_OBSERVATION.problems(extra) == [
+            "unexpected array(s) ['prev/action'] in a client observation"
+        ]
+    monkeypatch.setattr(schemas, "MAX_SEEN", 4)
+    for n in range(20):
+        names = {**arrays, **{f"obs/k{i}": np.zeros(1) for i in range(n)}}
+        assert (
+            CLIENT_OBSERVATION.problems(Message(MsgType.OBSERVATION, meta=with_meta.meta, arrays=names)) == []
+        )
+        assert len(CLIENT_OBSERVATION._seen) <= 4
