@@ -1,7 +1,7 @@
 """Per-step round trip through the gateway against raw ZeroMQ, for three observation sizes.
 
-For each size (64 B, 4 KiB, 150 KiB observations of one env) and each repeat, two
-measurements run back to back, in alternating order:
+For each size (64 B, 4 KiB, 150 KiB observations of one env) and each repeat, three
+measurements run back to back, in rotating order:
 
 - **gateway**: the real gateway process (``python -m gateway.hub``, started the way
   ``loopgate up`` starts it, policy ``random`` in-process, default recording to a
@@ -12,8 +12,13 @@ measurements run back to back, in alternating order:
   the gateway's validation, the spool write of the step and the policy.
 - **zmq** (baseline): raw pyzmq DEALER -> ROUTER over the same TCP loopback, one frame
   of the same size out, one action-sized frame back, nothing else.
+- **unix** (a reference, against ``zmq``): the same payload and reply over a unix
+  socket with :mod:`multiprocessing.connection`, as a ``multiprocessing.Pipe`` (and so
+  gymnasium's AsyncVectorEnv) sends them: what a transport without ZeroMQ's I/O threads
+  costs on this machine (``collect.steps_per_s.n1`` compares the gateway with exactly
+  that).
 
-Both pairs run on the same CPU placement: server (gateway or ROUTER) on the first
+Every pair runs on the same CPU placement: server (gateway, ROUTER or listener) on the first
 allowed CPU, client (worker or DEALER) on the second (both on one when only one is
 allowed). Warm-up steps are discarded; each repeat gives a p50 and a p99; records
 are the medians over repeats. ``gateway.loop_p50_us`` is the worker's whole per-step
@@ -45,10 +50,13 @@ TARGET_SIZE = "4KiB"
 TARGET = "<= 2.5"
 """The team's goal: gateway p50 round trip at most 2.5x raw ZeroMQ's at 4 KiB."""
 
+SIDES = ("zmq", "gateway", "unix")
+"""Measured in this order in the first repeat; each later repeat starts one further on."""
+
 NAMES: tuple[str, ...] = tuple(
     f"{side}.{metric}.{label}"
     for label in SIZES
-    for side in ("gateway", "zmq")
+    for side in SIDES
     for metric in ("rtt_p50_us", "rtt_p99_us", "loop_p50_us")
 )
 
@@ -96,6 +104,26 @@ def measure_zmq(
     return _load(out)
 
 
+def measure_unix(
+    tmp: Path, nbytes: int, warmup: int, steps: int, cpus: tuple[set[int], set[int]]
+) -> dict[str, np.ndarray]:
+    """Round trips of ``nbytes`` over a unix socket (``multiprocessing.connection``)."""
+    from benchmarks.inference import wait_until
+
+    path = tmp / "rtt.sock"
+    out = tmp / "unix.npz"
+    with Processes(tmp / "logs") as procs:
+        procs.python("unix-server", "benchmarks.rtt_peers", "unix-server", "--bind", str(path),
+                     "--bytes", str(nbytes), cpus=cpus[0])  # fmt: skip
+        # A unix socket refuses a client until its server listens (ZeroMQ would retry).
+        wait_until(lambda: path.exists() or procs.check_alive("unix-server"), 60, "the unix socket server")
+        client = ["unix-client", *_client_args(str(path), nbytes, warmup, steps, out)]
+        procs.python("unix-client", "benchmarks.rtt_peers", *client, cpus=cpus[1])
+        procs.wait("unix-client", WAIT_S)
+        procs.wait("unix-server", 10.0)  # it ends by itself once its client has closed
+    return _load(out)
+
+
 def write_run(run_dir: Path, nbytes: int) -> dict[str, Any]:
     """Config, spec and endpoints of a gateway run for payload ``nbytes`` (as ``loopgate up`` writes them)."""
     from benchmarks.payload import payload_spec
@@ -136,21 +164,21 @@ def measure_gateway(
 
 
 def run(quick: bool, repeats: int) -> list[Record]:
-    """Measure every size ``repeats`` times, gateway and zmq interleaved."""
+    """Measure every size ``repeats`` times, the sides interleaved."""
     cpus = split_placement()
     placement = f"server on cpu {describe_cpus(cpus[0])}, client on cpu {describe_cpus(cpus[1])}"
     records: list[Record] = []
     for label, nbytes in SIZES.items():
         warmup, steps = _steps(quick, nbytes)
         per: dict[str, dict[str, list[float]]] = {
-            side: {"rtt_p50_us": [], "rtt_p99_us": [], "loop_p50_us": []} for side in ("gateway", "zmq")
+            side: {"rtt_p50_us": [], "rtt_p99_us": [], "loop_p50_us": []} for side in SIDES
         }
+        measures = {"zmq": measure_zmq, "gateway": measure_gateway, "unix": measure_unix}
         for rep in range(repeats):
-            order = ("zmq", "gateway") if rep % 2 == 0 else ("gateway", "zmq")
-            for side in order:
+            first = rep % len(SIDES)
+            for side in SIDES[first:] + SIDES[:first]:
                 with tempfile.TemporaryDirectory(prefix=f"loopgate-bench-{side}-") as tmp:
-                    measure = measure_gateway if side == "gateway" else measure_zmq
-                    data = measure(Path(tmp), nbytes, warmup, steps, cpus)
+                    data = measures[side](Path(tmp), nbytes, warmup, steps, cpus)
                 rtt, period = data["rtt_us"], data["period_us"]
                 per[side]["rtt_p50_us"].append(float(np.percentile(rtt, 50)))
                 per[side]["rtt_p99_us"].append(float(np.percentile(rtt, 99)))
@@ -175,6 +203,15 @@ def run(quick: bool, repeats: int) -> list[Record]:
                     baseline=base,
                     note=note,
                     target=TARGET if (metric == "rtt_p50_us" and label == TARGET_SIZE) else None,
+                )
+            )
+            records.append(
+                Record.median_of(
+                    f"unix.{metric}.{label}",
+                    per["unix"][metric],
+                    "us",
+                    baseline=base,
+                    note=f"multiprocessing.connection over a unix socket; {note}",
                 )
             )
     return records

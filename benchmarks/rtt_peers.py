@@ -1,6 +1,6 @@
 """The client and server processes of the round-trip benchmark (:mod:`benchmarks.gateway_rtt`).
 
-Three roles, each ``python -m benchmarks.rtt_peers ROLE ...``:
+Five roles, each ``python -m benchmarks.rtt_peers ROLE ...``:
 
 - ``worker``: the product's own :class:`gateway.worker.EnvWorker` hosting one
   :class:`~benchmarks.payload.PayloadBackend` env, connected to a real gateway
@@ -10,14 +10,18 @@ Three roles, each ``python -m benchmarks.rtt_peers ROLE ...``:
 - ``zmq-server`` / ``zmq-client``: the baseline, raw pyzmq DEALER -> ROUTER on the same
   transport: the client sends the same payload as one frame (from a fresh array, as
   the backend makes) and waits for a reply the size of one action; no protocol, no
-  recording.
+  recording;
+- ``unix-server`` / ``unix-client``: a reference without ZeroMQ's I/O threads: the same
+  payload and reply over a unix socket with :mod:`multiprocessing.connection` (what a
+  ``multiprocessing.Pipe``, and so gymnasium's AsyncVectorEnv, sends through).
 
-Both clients write ``rtt_us`` and ``period_us`` of the steps after ``--warmup`` to an
+The clients write ``rtt_us`` and ``period_us`` of the steps after ``--warmup`` to an
 ``.npz`` file named by ``--out``::
 
     python -m benchmarks.rtt_peers zmq-server --bind tcp://127.0.0.1:5701
     python -m benchmarks.rtt_peers zmq-client --connect tcp://127.0.0.1:5701 --bytes 4096 \\
         --steps 5000 --warmup 500 --out /tmp/zmq.npz
+    python -m benchmarks.rtt_peers unix-server --bind /tmp/rtt.sock --bytes 4096
 """
 
 from __future__ import annotations
@@ -148,6 +152,44 @@ def run_zmq_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_unix_server(args: argparse.Namespace) -> int:
+    from multiprocessing.connection import Listener
+
+    reply = bytes(ACTION_BYTES)
+    # One client, then done: it closes the connection after its last step, and SIGTERM
+    # (the default action) ends a server whose client never came.
+    with Listener(args.bind, family="AF_UNIX") as listener, listener.accept() as conn:
+        while True:
+            try:
+                conn.recv_bytes()
+            except EOFError:
+                return 0
+            conn.send_bytes(reply)
+
+
+def run_unix_client(args: argparse.Namespace) -> int:
+    from multiprocessing.connection import Client
+
+    rtt_us: list[float] = []
+    period_us: list[float] = []
+    last = 0.0
+    with Client(args.connect, family="AF_UNIX") as conn:
+        for tick in range(args.warmup + args.steps):
+            now = time.perf_counter()
+            period_us.append((now - last) * 1e6 if last else float("nan"))
+            last = now
+            payload = np.full(args.bytes, tick % 251, dtype=np.uint8)
+            sent = time.perf_counter()
+            conn.send_bytes(payload)
+            if not conn.poll(10.0):
+                log.error("no reply from the server within 10 s at step %d", tick)
+                return 1
+            conn.recv_bytes()
+            rtt_us.append((time.perf_counter() - sent) * 1e6)
+    _save(args.out, rtt_us, period_us, args.warmup)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.rtt_peers",
@@ -157,12 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="WARNING")
     sub = p.add_subparsers(dest="role", required=True)
-    server = sub.add_parser("zmq-server", help="raw ROUTER answering each message with one action")
-    server.add_argument("--bind", required=True)
-    server.add_argument("--bytes", type=int, required=True, help="size of the messages it will get")
+    for role, helptext in (
+        ("zmq-server", "raw ROUTER answering each message with one action"),
+        ("unix-server", "unix socket answering each message with one action (one client)"),
+    ):
+        server = sub.add_parser(role, help=helptext)
+        server.add_argument("--bind", required=True)
+        server.add_argument("--bytes", type=int, required=True, help="size of the messages it will get")
     for role, helptext in (
         ("worker", "EnvWorker with a payload backend, against a gateway"),
         ("zmq-client", "raw DEALER sending payloads"),
+        ("unix-client", "unix socket client sending payloads"),
     ):
         c = sub.add_parser(role, help=helptext)
         c.add_argument("--connect", required=True)
@@ -179,7 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    roles = {"worker": run_worker, "zmq-server": run_zmq_server, "zmq-client": run_zmq_client}
+    roles = {
+        "worker": run_worker,
+        "zmq-server": run_zmq_server,
+        "zmq-client": run_zmq_client,
+        "unix-server": run_unix_server,
+        "unix-client": run_unix_client,
+    }
     return roles[args.role](args)
 
 

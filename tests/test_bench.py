@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks import suites
@@ -79,6 +80,19 @@ def test_quick_gateway_rtt_writes_every_record_with_its_baseline_and_ratio(tmp_p
     assert target["target"] == "ratio <= 2.5" and isinstance(target["met"], bool)
     # The table is the command's output; it names the records too.
     assert "gateway.rtt_p50_us.4KiB" in result.stdout
+
+
+@pytest.mark.integration
+def test_the_unix_socket_reference_measures_real_round_trips_between_two_processes(tmp_path: Path) -> None:
+    """``unix.*`` (the transport AsyncVectorEnv uses, without ZeroMQ's I/O threads): a real
+    server and client process; the server ends by itself when its client is done."""
+    from benchmarks.gateway_rtt import NAMES, measure_unix
+    from benchmarks.procs import split_placement
+
+    data = measure_unix(tmp_path, 4096, 20, 300, split_placement())
+    assert data["rtt_us"].shape == (300,) and data["period_us"].shape == (300,)
+    assert np.isfinite(data["rtt_us"]).all() and (data["rtt_us"] > 0).all()
+    assert {f"unix.rtt_{q}_us.{size}" for q in ("p50", "p99") for size in SIZES} <= set(NAMES)
 
 
 @pytest.mark.unit
