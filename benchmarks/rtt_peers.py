@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 ACTION_BYTES = 3 * 4
 """One action of the payload backend: float32[3]."""
+WAIT_CLIENT_S = 60.0
+"""Longest the unix socket server waits for its client to connect, or for its next
+message, unless ``--wait-s`` says otherwise."""
 
 
 def _save(path: str, rtt_us: list[float], period_us: list[float], warmup: int) -> None:
@@ -153,18 +156,33 @@ def run_zmq_client(args: argparse.Namespace) -> int:
 
 
 def run_unix_server(args: argparse.Namespace) -> int:
-    from multiprocessing.connection import Listener
+    import socket
+    from multiprocessing.connection import Connection
 
-    reply = bytes(ACTION_BYTES)
-    # One client, then done: it closes the connection after its last step, and SIGTERM
-    # (the default action) ends a server whose client never came.
-    with Listener(args.bind, family="AF_UNIX") as listener, listener.accept() as conn:
-        while True:
+    reply, wait_s = bytes(ACTION_BYTES), args.wait_s
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(args.bind)
+    listener.listen(1)
+    listener.settimeout(wait_s)
+    log.info("waiting up to %.3g s for the client on %s", wait_s, args.bind)
+    try:
+        sock, _ = listener.accept()
+    except TimeoutError:
+        log.error("no client within %.3g s", wait_s)
+        return 1
+    finally:
+        listener.close()
+    sock.settimeout(None)
+    # The Connection a multiprocessing.Pipe gives each end: length-prefixed messages.
+    with Connection(sock.detach()) as conn:
+        while conn.poll(wait_s):
             try:
                 conn.recv_bytes()
-            except EOFError:
+            except EOFError:  # the client is done and closed its end
                 return 0
             conn.send_bytes(reply)
+    log.error("the client sent nothing for %.3g s", wait_s)
+    return 1
 
 
 def run_unix_client(args: argparse.Namespace) -> int:
@@ -206,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
         server = sub.add_parser(role, help=helptext)
         server.add_argument("--bind", required=True)
         server.add_argument("--bytes", type=int, required=True, help="size of the messages it will get")
+        if role == "unix-server":
+            server.add_argument(
+                "--wait-s",
+                type=float,
+                default=WAIT_CLIENT_S,
+                help="longest wait for the client or its next message",
+            )
     for role, helptext in (
         ("worker", "EnvWorker with a payload backend, against a gateway"),
         ("zmq-client", "raw DEALER sending payloads"),

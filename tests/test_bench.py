@@ -95,6 +95,21 @@ def test_the_unix_socket_reference_measures_real_round_trips_between_two_process
     assert {f"unix.rtt_{q}_us.{size}" for q in ("p50", "p99") for size in SIZES} <= set(NAMES)
 
 
+@pytest.mark.integration
+def test_the_unix_socket_server_gives_up_on_a_client_that_never_comes(tmp_path: Path) -> None:
+    path = tmp_path / "rtt.sock"
+    args = ["--log-level", "INFO", "unix-server", "--bind", str(path), "--bytes", "64", "--wait-s", "0.5"]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.rtt_peers", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1, run.stderr
+    assert "waiting up to 0.5 s for the client" in run.stderr and "no client within 0.5 s" in run.stderr
+
+
 @pytest.mark.unit
 def test_ratio_is_value_over_the_baseline_measured_in_the_same_run() -> None:
     records = [
