@@ -52,6 +52,7 @@ TARGET = "<= 2.5"
 
 SIDES = ("zmq", "gateway", "unix")
 """Measured in this order in the first repeat; each later repeat starts one further on."""
+SIDE_NOTES = {"unix": "multiprocessing.connection over a unix socket; "}
 
 NAMES: tuple[str, ...] = tuple(
     f"{side}.{metric}.{label}"
@@ -195,23 +196,17 @@ def run(quick: bool, repeats: int) -> list[Record]:
         for metric in ("rtt_p50_us", "rtt_p99_us", "loop_p50_us"):
             base = f"zmq.{metric}.{label}"
             records.append(Record.median_of(base, per["zmq"][metric], "us", note=note))
-            records.append(
-                Record.median_of(
-                    f"gateway.{metric}.{label}",
-                    per["gateway"][metric],
-                    "us",
-                    baseline=base,
-                    note=note,
-                    target=TARGET if (metric == "rtt_p50_us" and label == TARGET_SIZE) else None,
+            for side in ("gateway", "unix"):
+                records.append(
+                    Record.median_of(
+                        f"{side}.{metric}.{label}",
+                        per[side][metric],
+                        "us",
+                        baseline=base,
+                        note=SIDE_NOTES.get(side, "") + note,
+                        target=TARGET
+                        if (side, metric, label) == ("gateway", "rtt_p50_us", TARGET_SIZE)
+                        else None,
+                    )
                 )
-            )
-            records.append(
-                Record.median_of(
-                    f"unix.{metric}.{label}",
-                    per["unix"][metric],
-                    "us",
-                    baseline=base,
-                    note=f"multiprocessing.connection over a unix socket; {note}",
-                )
-            )
     return records

@@ -31,6 +31,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 ACTION_BYTES = 3 * 4
 """One action of the payload backend: float32[3]."""
+REPLY_TIMEOUT_S = 10.0
+"""Longest a client waits for the answer to one payload."""
 WAIT_CLIENT_S = 60.0
 """Longest the unix socket server waits for its client to connect, or for its next
 message, unless ``--wait-s`` says otherwise."""
@@ -122,37 +125,50 @@ def run_zmq_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _round_trips(args: argparse.Namespace, exchange: Callable[[np.ndarray], bool]) -> int:
+    """Send ``--warmup + --steps`` payloads through ``exchange`` (it sends one and returns
+    True once the reply is in, False after ``REPLY_TIMEOUT_S``), timing each round trip and
+    the loop's period; save them to ``--out``. 1 when a reply never came."""
+    rtt_us: list[float] = []
+    period_us: list[float] = []
+    last = 0.0
+    for tick in range(args.warmup + args.steps):
+        now = time.perf_counter()
+        period_us.append((now - last) * 1e6 if last else float("nan"))
+        last = now
+        payload = np.full(args.bytes, tick % 251, dtype=np.uint8)
+        sent = time.perf_counter()
+        if not exchange(payload):
+            log.error("no reply from the server within %.0f s at step %d", REPLY_TIMEOUT_S, tick)
+            return 1
+        rtt_us.append((time.perf_counter() - sent) * 1e6)
+    _save(args.out, rtt_us, period_us, args.warmup)
+    return 0
+
+
 def run_zmq_client(args: argparse.Namespace) -> int:
     import zmq
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
-    sock.rcvtimeo = 10_000
+    sock.rcvtimeo = int(REPLY_TIMEOUT_S * 1000)
     sock.connect(args.connect)
     copy = args.bytes < zmq.COPY_THRESHOLD
-    rtt_us: list[float] = []
-    period_us: list[float] = []
-    last = 0.0
+
+    def exchange(payload: np.ndarray) -> bool:
+        sock.send(payload.data, copy=False)
+        try:
+            sock.recv(copy=copy)
+        except zmq.Again:
+            return False
+        return True
+
     try:
-        for tick in range(args.warmup + args.steps):
-            now = time.perf_counter()
-            period_us.append((now - last) * 1e6 if last else float("nan"))
-            last = now
-            payload = np.full(args.bytes, tick % 251, dtype=np.uint8)
-            sent = time.perf_counter()
-            sock.send(payload.data, copy=False)
-            try:
-                sock.recv(copy=copy)
-            except zmq.Again:
-                log.error("no reply from the server within 10 s at step %d", tick)
-                return 1
-            rtt_us.append((time.perf_counter() - sent) * 1e6)
+        return _round_trips(args, exchange)
     finally:
         sock.close(linger=0)
         ctx.term()
-    _save(args.out, rtt_us, period_us, args.warmup)
-    return 0
 
 
 def run_unix_server(args: argparse.Namespace) -> int:
@@ -188,24 +204,16 @@ def run_unix_server(args: argparse.Namespace) -> int:
 def run_unix_client(args: argparse.Namespace) -> int:
     from multiprocessing.connection import Client
 
-    rtt_us: list[float] = []
-    period_us: list[float] = []
-    last = 0.0
     with Client(args.connect, family="AF_UNIX") as conn:
-        for tick in range(args.warmup + args.steps):
-            now = time.perf_counter()
-            period_us.append((now - last) * 1e6 if last else float("nan"))
-            last = now
-            payload = np.full(args.bytes, tick % 251, dtype=np.uint8)
-            sent = time.perf_counter()
+
+        def exchange(payload: np.ndarray) -> bool:
             conn.send_bytes(payload)
-            if not conn.poll(10.0):
-                log.error("no reply from the server within 10 s at step %d", tick)
-                return 1
+            if not conn.poll(REPLY_TIMEOUT_S):
+                return False
             conn.recv_bytes()
-            rtt_us.append((time.perf_counter() - sent) * 1e6)
-    _save(args.out, rtt_us, period_us, args.warmup)
-    return 0
+            return True
+
+        return _round_trips(args, exchange)
 
 
 def build_parser() -> argparse.ArgumentParser:
