@@ -110,6 +110,32 @@ def test_the_unix_socket_server_gives_up_on_a_client_that_never_comes(tmp_path: 
     assert "waiting up to 0.5 s for the client" in run.stderr and "no client within 0.5 s" in run.stderr
 
 
+@pytest.mark.integration
+def test_the_unix_socket_server_gives_up_on_a_client_that_goes_silent(tmp_path: Path) -> None:
+    """A connected client that sends nothing ends the server with an error naming the
+    wait, as a missing one does (the read's deadline, SO_RCVTIMEO)."""
+    import socket
+    import time
+
+    path = tmp_path / "rtt.sock"
+    args = ["--log-level", "INFO", "unix-server", "--bind", str(path), "--bytes", "64", "--wait-s", "1"]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.rtt_peers", *args], cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not path.exists():
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not listen"
+            time.sleep(0.01)
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(str(path))
+            assert server.wait(timeout=30) == 1
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert "the client sent nothing for 1 s" in server.communicate()[1]
+
+
 @pytest.mark.unit
 def test_ratio_is_value_over_the_baseline_measured_in_the_same_run() -> None:
     records = [
