@@ -114,6 +114,10 @@ class GatewayConfig:
     """Large batches from workers on this host through shared memory, only handles on the
     socket (:mod:`gateway.shm`): ``auto`` when the worker's gateway address is local, ``on``
     whenever the gateway can map the segment, ``off`` never (frames)."""
+    local_link: Literal["auto", "off"] = "auto"
+    """Workers on this host talk to the gateway over a unix socket instead of ZeroMQ's TCP
+    (:mod:`gateway.local_link`): ``auto`` when their address is local and no ``curve_keys``
+    are set, ``off`` never."""
     cuda_ipc: Literal["auto", "on", "off"] = "auto"
     """Observations already on a GPU also go to inference servers on that GPU as CUDA IPC handles (:mod:`gateway.cuda_ipc`): ``auto`` for a local gateway, ``on`` whenever the hosts match, ``off`` never."""
     heartbeat_s: float = 1.0
@@ -137,6 +141,8 @@ class GatewayConfig:
         for name in ("shared_memory", "cuda_ipc"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ConfigError(f"gateway.{name} must be auto, on or off, got {getattr(self, name)!r}")
+        if self.local_link not in ("auto", "off"):
+            raise ConfigError(f"gateway.local_link must be auto or off, got {self.local_link!r}")
         if not self.action_deadline_s > 0:
             raise ConfigError(f"gateway.action_deadline_s must be > 0, got {self.action_deadline_s}")
         if self.stop_drain_s < 0:

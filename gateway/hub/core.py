@@ -44,6 +44,7 @@ from gateway.hub.control import ControlDesk
 from gateway.hub.state import HOLD_MESSAGES, Collection, WorkerSession, accept_cuda, attach_ring
 from gateway.hub.status import status_of
 from gateway.hub.timing import StepTiming
+from gateway.local_link import WorkerSockets
 from gateway.metrics import Histogram, MetricsWriter
 from gateway.policies import ActionSource
 from gateway.protocol import (
@@ -57,6 +58,7 @@ from gateway.protocol import (
     send,
     unpack,
 )
+from gateway.protocol.codec import FrameSocket
 from gateway.protocol.schemas import WORKER_OBSERVATION
 from gateway.recorder import Recorder
 from gateway.steps import StepInfo
@@ -99,9 +101,13 @@ class Gateway:
         self.busy_s = 0.0
         """Time the loop spent serving (not waiting in poll): the gateway's busy time."""
         self._ctx = context or zmq.Context.instance()
-        self.workers_sock = make_socket(self._ctx, zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000)
-        self.workers_sock.router_mandatory = False
-        self.addresses = {"workers": bind(self.workers_sock, addresses["workers"], keys)}
+        router = make_socket(self._ctx, zmq.ROUTER, sndhwm=10_000, rcvhwm=10_000)
+        router.router_mandatory = False
+        self.addresses = {"workers": bind(router, addresses["workers"], keys)}
+        # Workers on this host get a unix socket beside the ROUTER (gateway.local_link).
+        self.workers_sock = WorkerSockets.offer(
+            router, self.addresses["workers"], config.local_link, keys, self.limits
+        )
         self.state = Collection(max_env_steps=max_env_steps, env_steps=recorder.counters.acked_steps)
         self.sessions: dict[str, WorkerSession] = {}
         self.realtime_priority = realtime_priority
@@ -126,7 +132,7 @@ class Gateway:
 
     # ----------------------------------------------------------------- helpers
 
-    def reply_error(self, sock: zmq.Socket[Any], route: bytes, exc: ProtocolError, seq: int = 0) -> None:
+    def reply_error(self, sock: FrameSocket, route: bytes, exc: ProtocolError, seq: int = 0) -> None:
         self.errors[exc.code.value] += 1
         if (route, exc.code.value) not in self._logged:
             self._logged.add((route, exc.code.value))
@@ -530,20 +536,27 @@ class Gateway:
         extra = [*(self.source.sockets() if self.source else []), *self.recorder.sink.sockets()]
         for sock in [self.control.sock, *(h[0] for h in handlers), *extra]:
             poller.register(sock, zmq.POLLIN)
+        links = self.workers_sock if isinstance(self.workers_sock, WorkerSockets) else None
+        if links is not None:  # registered above by its epoll's descriptor, which poll reports
+            poller.register(links.router, zmq.POLLIN)
+            link_events = (links.router, links.fileno())
         last_tick = last_metrics = time.monotonic()
         self.control.line.start()
         log.info("gateway serving: %s", json.dumps(self.addresses))
         while not self.state.stopping and not (stop is not None and stop.is_set()):
-            events = dict(poller.poll(int(TICK_S * 1000)))
+            waiting = links is not None and links.pending  # read with an earlier one
+            events = dict(poller.poll(0 if waiting else int(TICK_S * 1000)))
+            if links is not None and (waiting or any(e in events for e in link_events)):
+                events[links] = zmq.POLLIN
             turn = time.perf_counter()
             self.serve_control()
             for sock, handler in handlers:
                 if sock in events:
                     for _ in range(256):  # drain what is there, but let others in
+                        if not readable(sock):  # a link's bytes may not make a whole message yet
+                            break
                         handler()
                         self.serve_control()
-                        if not readable(sock):
-                            break
             # Sources and sinks drain their own sockets when asked for results.
             self.collect_actions()
             self.recorder.pump()

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-import zmq
 
 from gateway.cuda_handles import RingOffer
 from gateway.env_columns import EpisodeIds
 from gateway.episode import EnvSpec
 from gateway.evaluation import Evaluator, LagTracker
 from gateway.protocol import ErrorCode, Limits, Message, ProtocolError, unpack
+from gateway.protocol.codec import FrameSocket
 from gateway.shm import ShmView
 from gateway.steps import StepInfo, filled
 from gateway.trajectory import Transitions
@@ -302,7 +302,7 @@ class Hub(Protocol):
 
     def hold_message(self, reason: str) -> str: ...
 
-    def reply_error(self, sock: zmq.Socket[Any], route: bytes, exc: ProtocolError, seq: int = 0) -> None: ...
+    def reply_error(self, sock: FrameSocket, route: bytes, exc: ProtocolError, seq: int = 0) -> None: ...
 
     def send_to_workers(self, msg: Message, sessions: list[WorkerSession] | None = None) -> None: ...
 

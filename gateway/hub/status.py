@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gateway.local_link import ROUTE_PREFIX as LINK_ROUTE
+
 
 def status_of(gw: Any) -> dict[str, Any]:
     """The status of gateway ``gw`` (a :class:`~gateway.hub.core.Gateway`)."""
@@ -52,6 +54,7 @@ def status_of(gw: Any) -> dict[str, Any]:
                 "rtt_us": round(s.rtt_us, 1),
                 "silent_s": round(now - s.last_seen, 2),
                 "client": s.client is not None,
+                "local_link": s.route.startswith(LINK_ROUTE),
                 "shm": s.shm is not None,
                 "shm_bytes": s.shm_bytes,
                 "cuda_ipc": s.cuda is not None,

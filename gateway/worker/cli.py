@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="large batches through shared memory (default: gateway.shared_memory, auto = local gateway)",
     )
     p.add_argument(
+        "--local-link",
+        choices=("auto", "off"),
+        help="a gateway on this host over a unix socket (default: gateway.local_link, auto = local gateway)",
+    )
+    p.add_argument(
         "--cuda-ipc",
         choices=("auto", "on", "off"),
         help="observations on a GPU also as CUDA IPC handles (default: gateway.cuda_ipc, auto = local gateway)",
@@ -69,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     lifeline.arm()
     shared_memory = args.shared_memory or "auto"
     cuda = args.cuda_ipc or "auto"
+    link = args.local_link or "auto"
     backend_name, num_envs, seed, options, heartbeat, timeout, curve = (
         "mujoco_reach",
         1,
@@ -91,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             curve = curve or cfg.gateway.curve_keys
             shared_memory = args.shared_memory or cfg.gateway.shared_memory
             cuda = args.cuda_ipc or cfg.gateway.cuda_ipc
+            link = args.local_link or cfg.gateway.local_link
         for text in args.option:
             key, _, value = text.partition("=")
             options[key] = yaml.safe_load(value)
@@ -129,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         tap_address=tap,
         shared_memory=shared_memory,
         cuda_ipc=cuda,
+        local_link=link,
         endpoints=args.endpoints if args.connect is None else None,
     )
 

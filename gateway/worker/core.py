@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gateway import shm, steps
+from gateway import local_link, shm, steps
 from gateway.cuda_ipc import CudaRing
 from gateway.endpoints import lookup
 from gateway.endpoints import read as read_endpoints
 from gateway.episode import EpisodeBackend, Obs
+from gateway.local_link import LocalLink
 from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError, pack, recv, send
 from gateway.tap import ObservationTap
 from gateway.trajectory import episode_id
@@ -61,6 +62,7 @@ class EnvWorker:
         shared_memory: str = "auto",
         endpoints: str | Path | None = None,
         cuda_ipc: str = "auto",
+        local_link: str = "auto",
     ) -> None:
         self.backend = backend
         self.address = address
@@ -74,7 +76,7 @@ class EnvWorker:
         self.keys = keys
         self.limits = limits or Limits()
         self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] | None = None
+        self._sock: zmq.Socket[Any] | LocalLink | None = None
         self._bus: zmq.Socket[Any] | None = None
         """The gateway's e-stop bus (:mod:`gateway.hub.estop`), subscribed after WELCOME."""
         self._polled: tuple[tuple[Any, Any], zmq.Poller] | None = None
@@ -98,6 +100,9 @@ class EnvWorker:
         self._last_beat = 0.0
         backend.keepalive = self._keepalive
         self.shared_memory = shared_memory
+        self.local_link = local_link
+        """``gateway.local_link``: try the gateway's unix socket before ZeroMQ (:mod:`gateway.local_link`)."""
+        self._link_logged: bool | None = None
         """``gateway.shared_memory``: offer the gateway a shared-memory ring (:mod:`gateway.shm`)."""
         self.shm: shm.ShmWriter | None = None
         """The ring the gateway accepted for this connection (None: frames)."""
@@ -117,7 +122,7 @@ class EnvWorker:
 
     # --------------------------------------------------------------- connection
 
-    def _connect(self) -> zmq.Socket[Any]:
+    def _connect(self) -> zmq.Socket[Any] | LocalLink:
         if self._sock is not None:
             self._sock.close(linger=0)
         if self.endpoints is not None:
@@ -129,10 +134,28 @@ class EnvWorker:
             if moved is not None and moved != self.address:
                 log.warning("gateway moved: %s -> %s", self.address, moved)
                 self.address = moved
+        if local_link.wanted(self.local_link, self.address, self.keys):
+            try:
+                self._sock = LocalLink.connect(self.address, self.limits, self.gateway_timeout_s)
+            except OSError as exc:  # not up yet, the link off, or an older gateway
+                self._log_link(False, str(exc))
+            else:
+                self._log_link(True, "")
+                return self._sock
         sock = make_socket(self._ctx, zmq.DEALER, sndhwm=64, rcvhwm=64)
         connect(sock, self.address, self.keys)
         self._sock = sock
         return sock
+
+    def _log_link(self, linked: bool, why: str) -> None:
+        """Say which way this worker reaches its gateway, when that changes."""
+        if self._link_logged is linked:
+            return
+        self._link_logged = linked
+        if linked:
+            log.info("connected to the gateway at %s over its local link (unix socket)", self.address)
+        else:
+            log.info("no local link at the gateway %s (%s): dialling ZeroMQ", self.address, why)
 
     def _hello(self) -> dict[str, Any]:
         """Register with the gateway (retrying until it answers); return WELCOME's meta."""
@@ -453,7 +476,17 @@ class EnvWorker:
         last_heard = time.monotonic()
         poller = self._poller()
         while not self.stop_event.is_set():
-            events = dict(poller.poll(int(self.heartbeat_s * 1000)))
+            sock = self._sock
+            waiting = isinstance(sock, LocalLink) and sock.pending  # read with an earlier one
+            events = dict(poller.poll(0 if waiting else int(self.heartbeat_s * 1000)))
+            if isinstance(sock, LocalLink):
+                # The poller reports the link by its descriptor, and bytes are not yet a
+                # whole message: the link says whether one is here.
+                if waiting or (sock.fileno() in events and sock.poll(0)):
+                    events[sock] = zmq.POLLIN
+                if sock.closed:
+                    log.warning("the gateway closed the local link; reconnecting")
+                    return None
             if self._bus is not None and self._bus in events:
                 self._bus_commands()
                 if self.stop_event.is_set():
