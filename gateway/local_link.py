@@ -67,7 +67,8 @@ HEADER = struct.Struct("<IH")
 """Bytes after the header (frame lengths and frames), number of frames."""
 LENGTH = struct.Struct("<I")
 READ_BYTES = 1 << 18
-"""Most bytes one read takes from a connection."""
+"""Most bytes one read takes from a connection (into a buffer kept for it: ``recv`` of
+this size would map and unmap fresh memory every time, 24 against 6 us a 4 KiB message)."""
 MAX_PENDING_BYTES = 64 << 20
 """What the gateway keeps for one worker that does not read; past it the connection is dropped."""
 ROUTE_PREFIX = b"L"
@@ -87,11 +88,12 @@ def wanted(mode: str, address: str, keys: object | None) -> bool:
     return mode == "auto" and keys is None and sys.platform.startswith("linux") and is_local(address)
 
 
-def _header(frames: Sequence[Any]) -> tuple[bytes, list[memoryview]]:
-    views = [memoryview(f).cast("B") for f in frames]
-    lengths = [v.nbytes for v in views]
-    head = HEADER.pack(LENGTH.size * len(views) + sum(lengths), len(views))
-    return head + struct.pack(f"<{len(views)}I", *lengths), views
+def _header(frames: Sequence[Any]) -> tuple[bytes, int]:
+    """The header that goes before ``frames`` (buffers), and the message's whole size."""
+    lengths = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
+    n = len(lengths)
+    size = LENGTH.size * n + sum(lengths)
+    return struct.pack(f"<IH{n}I", size, n, *lengths), HEADER.size + size
 
 
 class Reader:
@@ -162,11 +164,10 @@ class LocalLink:
         """The gateway closed the stream, or it broke: reconnect."""
         self.sock.settimeout(send_timeout_s)
         self._reader = Reader(limits)
-        self._out: list[Any] = []
-        self._in: collections.deque[BufferFrame] = collections.deque()
         self._ready: collections.deque[list[memoryview]] = collections.deque()
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
+        self._buffer = memoryview(bytearray(READ_BYTES))
 
     @classmethod
     def connect(cls, address: str, limits: Limits, send_timeout_s: float) -> LocalLink:
@@ -187,28 +188,23 @@ class LocalLink:
     def pending(self) -> bool:
         """A whole message was read with an earlier one: a poller on :meth:`fileno` will not
         report it."""
-        return bool(self._in or self._ready)
+        return bool(self._ready)
 
-    def send(self, data: Any, flags: int = 0, copy: bool = True, track: bool = False) -> None:
-        """Queue a frame; the last one (no ``SNDMORE``) sends the message. A broken stream
-        drops it (as ZeroMQ drops for a peer that is gone) and marks the link closed."""
-        self._out.append(data)
-        if int(flags) & zmq.SNDMORE:
-            return
-        frames, self._out = self._out, []
+    def send_multipart(self, msg_parts: Sequence[Any], flags: int = 0, copy: bool = True) -> None:
+        """Send one message. A broken stream drops it (as ZeroMQ drops for a peer that is
+        gone) and marks the link closed."""
         if self.closed:
             return
-        head, views = _header(frames)
+        head, total = _header(msg_parts)
         try:
             if int(flags) & zmq.NOBLOCK:
-                sent = self.sock.sendmsg([head, *views], (), socket.MSG_DONTWAIT)
-                if sent != len(head) + sum(v.nbytes for v in views):
+                if self.sock.sendmsg([head, *msg_parts], (), socket.MSG_DONTWAIT) != total:
                     raise OSError("the gateway did not take the whole message")
-            else:
-                sent = self.sock.sendmsg([head, *views])
-                total = len(head) + sum(v.nbytes for v in views)
-                if sent < total:
-                    self.sock.sendall(b"".join([head, *views])[sent:])
+                return
+            sent = self.sock.sendmsg([head, *msg_parts])
+            if sent < total:
+                rest = b"".join([head, *(memoryview(f).cast("B") for f in msg_parts)])
+                self.sock.sendall(rest[sent:])
         except OSError as exc:  # timeout included: the stream is cut mid-message
             self._close(f"sending to the gateway failed: {exc}")
 
@@ -220,17 +216,17 @@ class LocalLink:
     def _read(self) -> None:
         """Take what the socket has, without blocking."""
         try:
-            data = self.sock.recv(READ_BYTES, socket.MSG_DONTWAIT)
+            n = self.sock.recv_into(self._buffer, 0, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._close(str(exc))
             return
-        if not data:
+        if not n:
             self._close("the gateway ended it")
             return
         try:
-            self._ready.extend(self._reader.feed(data))
+            self._ready.extend(self._reader.feed(self._buffer[:n].tobytes()))
         except LinkError as exc:
             self._close(f"bad data from the gateway: {exc}")
 
@@ -238,7 +234,7 @@ class LocalLink:
         """``POLLIN`` once a whole message is here, within ``timeout`` ms (None: forever);
         0 on timeout or when the link closed."""
         deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout / 1000
-        while not (self._in or self._ready):
+        while not self._ready:
             if self.closed:
                 return 0
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -248,14 +244,12 @@ class LocalLink:
                 return 0
         return zmq.POLLIN
 
-    def recv(self, flags: int = 0, copy: bool = True, track: bool = False) -> BufferFrame:
-        """The next frame; ``zmq.Again`` when no whole message is here (``NOBLOCK``) or
-        the link closed while waiting."""
-        if not self._in:
-            if not self.poll(0 if int(flags) & zmq.NOBLOCK else None):
-                raise zmq.Again()
-            self._in.extend(_frames(self._ready.popleft()))
-        return self._in.popleft()
+    def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[BufferFrame]:
+        """The next message; ``zmq.Again`` when no whole one is here (``NOBLOCK``) or the
+        link closed while waiting."""
+        if not self.poll(0 if int(flags) & zmq.NOBLOCK else None):
+            raise zmq.Again()
+        return _frames(self._ready.popleft())
 
     def close(self, linger: int | None = None) -> None:
         self.closed = True
@@ -292,13 +286,8 @@ class WorkerSockets:
         self._conns: dict[bytes, _Conn] = {}
         self._by_fd: dict[int, _Conn] = {}
         self._ids = itertools.count(1)
-        self._out: list[Any] = []
-        self._to_router = False
-        """The message being sent goes to the ROUTER (its route was not a link's)."""
-        self._from_router = False
-        """The message being received comes from the ROUTER: its next frame too."""
-        self._in: collections.deque[BufferFrame] = collections.deque()
         self._ready: collections.deque[list[Any]] = collections.deque()
+        self._buffer = memoryview(bytearray(READ_BYTES))
 
     @classmethod
     def offer(cls, router: zmq.Socket[Any], address: str, mode: str, keys: object | None,
@@ -320,7 +309,7 @@ class WorkerSockets:
     @property
     def pending(self) -> bool:
         """A link's message waits, read with an earlier one: poll without waiting."""
-        return bool(self._in or self._ready)
+        return bool(self._ready)
 
     @property
     def links(self) -> int:
@@ -361,17 +350,17 @@ class WorkerSockets:
 
     def _read(self, conn: _Conn) -> None:
         try:
-            data = conn.sock.recv(READ_BYTES)
+            n = conn.sock.recv_into(self._buffer)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._drop(conn, f"reading failed: {exc}")
             return
-        if not data:
+        if not n:
             self._drop(conn, "the worker closed it")
             return
         try:
-            messages = conn.reader.feed(data)
+            messages = conn.reader.feed(self._buffer[:n].tobytes())
         except LinkError as exc:
             log.error("local link %s: %s; closing the connection", conn.route.hex(), exc)
             self._drop(conn, "bad framing")
@@ -391,80 +380,60 @@ class WorkerSockets:
         """``zmq.EVENTS`` of both: ``POLLIN`` when a message waits on a link or the ROUTER."""
         if option != zmq.EVENTS:
             return int(self.router.getsockopt(option))
-        if not (self._in or self._ready):
+        if not self._ready:
             self._pump()
-        if self._in or self._ready:
+        if self._ready:
             return zmq.POLLIN
         return int(self.router.getsockopt(zmq.EVENTS))
 
-    def recv(self, flags: int = 0, copy: bool = True, track: bool = False) -> Any:
-        """The next frame: a link's message (its route first) before the ROUTER's, never
-        between the frames of one."""
-        if self._from_router:
-            return self._router_frame(flags, copy)
-        if not self._in:
-            if not self._ready:
-                self._pump()
-            if not self._ready:
-                return self._router_frame(flags, copy)
-            message = self._ready.popleft()
-            self._in.append(BufferFrame(memoryview(message[0]), True))
-            self._in.extend(_frames(message[1:]))
-        return self._in.popleft()
-
-    def _router_frame(self, flags: int, copy: bool) -> Any:
-        frame = self.router.recv(flags, copy=copy)
-        more = frame.more if isinstance(frame, zmq.Frame) else self.router.rcvmore
-        self._from_router = bool(more)
-        return frame
+    def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[Any]:
+        """The next message, its route first: a link's before the ROUTER's."""
+        if not self._ready:
+            self._pump()
+        if not self._ready:
+            flags = int(flags)
+            frame = self.router.recv(flags, copy=False)
+            frames = [frame]
+            while frame.more:
+                frame = self.router.recv(flags, copy=False)
+                frames.append(frame)
+            return frames
+        route, *message = self._ready.popleft()
+        return [BufferFrame(memoryview(route), True), *_frames(message)]
 
     # ------------------------------------------------------------------ writing
 
-    def send(self, data: Any, flags: int = 0, copy: bool = True, track: bool = False) -> None:
-        """A frame; the first of a message is its route. A link's message leaves when its
-        last frame is given; a route that is gone drops it (a ROUTER without
+    def send_multipart(self, msg_parts: Sequence[Any], flags: int = 0, copy: bool = True) -> None:
+        """One message, its route first. A route that is gone drops it (a ROUTER without
         ``router_mandatory`` does the same)."""
-        more = int(flags) & zmq.SNDMORE
-        if self._to_router:
-            self.router.send(data, flags, copy=copy)
-            self._to_router = bool(more)
+        route = msg_parts[0]
+        if type(route) is bytes and route.startswith(ROUTE_PREFIX):
+            conn = self._conns.get(route)
+            if conn is not None and len(msg_parts) > 1:
+                self._write(conn, msg_parts[1:])
             return
-        if not self._out:  # the route
-            route = data if isinstance(data, bytes) else bytes(data)
-            if not route.startswith(ROUTE_PREFIX):
-                self.router.send(data, flags, copy=copy)
-                self._to_router = bool(more)
-                return
-        self._out.append(data)
-        if more:
-            return
-        route, *frames = self._out
-        self._out = []
-        conn = self._conns.get(bytes(route))
-        if conn is not None and frames:
-            self._write(conn, frames)
+        flags = int(flags)
+        last = len(msg_parts) - 1
+        for i in range(last):
+            self.router.send(msg_parts[i], flags | zmq.SNDMORE, copy=False)
+        self.router.send(msg_parts[last], flags, copy=False)
 
-    def _write(self, conn: _Conn, frames: list[Any]) -> None:
-        head, views = _header(frames)
-        buffers: list[memoryview] = [memoryview(head), *views]
+    def _write(self, conn: _Conn, frames: Sequence[Any]) -> None:
+        head, total = _header(frames)
+        sent = 0
         if not conn.pending:
             try:
-                sent = conn.sock.sendmsg(buffers)
+                sent = conn.sock.sendmsg([head, *frames])
             except (BlockingIOError, InterruptedError):
-                sent = 0
+                pass
             except OSError as exc:
                 self._drop(conn, f"writing failed: {exc}")
                 return
-            for i, buf in enumerate(buffers):
-                if sent >= buf.nbytes:
-                    sent -= buf.nbytes
-                    continue
-                # The rest waits for the socket to drain; copied, since the caller's arrays may change.
-                rest = [memoryview(bytes(buf[sent:])), *(memoryview(bytes(b)) for b in buffers[i + 1 :])]
-                self._queue(conn, rest)
+            if sent == total:
                 return
-            return
-        self._queue(conn, [memoryview(bytes(b)) for b in buffers])
+        # The rest waits for the socket to drain: copied, since the caller's arrays may change.
+        whole = b"".join([head, *(memoryview(f).cast("B") for f in frames)])
+        self._queue(conn, [memoryview(whole)[sent:]])
 
     def _queue(self, conn: _Conn, buffers: list[memoryview]) -> None:
         if not conn.pending:

@@ -21,7 +21,7 @@ import zmq
 from gateway import local_link
 from gateway.local_link import HEADER, LinkError, LocalLink, Reader, WorkerSockets, link_name
 from gateway.protocol import Limits, Message, MsgType, recv, recv_routed, send
-from gateway.protocol.codec import decode, encode
+from gateway.protocol.codec import decode, encode, recv_frames
 from gateway.store import EpisodeStore
 from gateway.transport import readable
 from tests.conftest import log_of, wait_for
@@ -144,7 +144,7 @@ def test_link_and_zmq_workers_share_the_gateways_socket_each_answered_on_its_own
 
 
 @pytest.mark.unit
-def test_a_link_message_never_lands_between_the_frames_of_a_zmq_one(gateway_side):
+def test_a_link_message_and_a_zmq_one_waiting_together_arrive_whole(gateway_side):
     links, address = gateway_side
     link = LocalLink.connect(address, LIMITS, 5.0)
     dealer = zmq.Context.instance().socket(zmq.DEALER)
@@ -153,15 +153,16 @@ def test_a_link_message_never_lands_between_the_frames_of_a_zmq_one(gateway_side
     try:
         send(dealer, observation(2))
         assert links.router.poll(5000)
-        frames = [links.recv(0, copy=False)]  # the ROUTER's route frame: the message has begun
         send(link, observation(1))
-        time.sleep(0.05)  # the link's message is in its socket now
-        while frames[-1].more:
-            frames.append(links.recv(0, copy=False))
-        msg = decode(frames[1:], LIMITS)
-        assert msg.seq == 2 and len(frames) == 3
-        _, msg, err = receive(links)
-        assert err is None and msg is not None and msg.seq == 1
+        time.sleep(0.05)  # both wait now
+        got = {}
+        for _ in range(2):
+            frames = recv_frames(links)
+            msg = decode(frames[1:], LIMITS)
+            got[msg.seq] = frames[0].bytes
+            np.testing.assert_array_equal(msg.arrays["obs/q"], observation(msg.seq).arrays["obs/q"])
+        assert got[1].startswith(local_link.ROUTE_PREFIX) and got[2][:1] == b"\0"
+        assert not readable(links)
     finally:
         link.close()
         dealer.close()
@@ -172,7 +173,7 @@ def test_a_malformed_message_on_the_link_is_answered_and_the_link_goes_on(gatewa
     links, address = gateway_side
     link = LocalLink.connect(address, LIMITS, 5.0)
     try:
-        link.send(b"not msgpack", 0)
+        link.send_multipart([b"not msgpack"])
         route, msg, err = receive(links)
         assert msg is None and err is not None and err.code.value == "bad_header"
         send(links, Message(MsgType.ERROR, meta={"code": err.code.value}), route=[route])
@@ -322,3 +323,30 @@ def test_a_worker_killed_on_the_link_has_its_episodes_interrupted(gateway_run):
     store = EpisodeStore(run.run_dir / "episodes", readonly=True)
     assert store.count().stored_steps == final["acked_steps"]
     assert all(e.num_steps > 0 for e in store.episodes() if e.end == "interrupted")
+
+
+@pytest.mark.integration
+def test_a_worker_started_before_its_gateway_moves_to_the_link_once_it_listens(gateway_run, procs):
+    """Started first, the worker finds no link and dials ZeroMQ; the gateway's WELCOME says it
+    has one, and the worker registers again over it before its first step."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    worker = procs.spawn(
+        "-m", "gateway.worker", "--connect", f"tcp://127.0.0.1:{port}", "--backend", "mujoco_reach",
+        "--num-envs", "4", name="early-worker",
+    )  # fmt: skip
+    wait_for(lambda: "dialling ZeroMQ" in log_of(worker), what="the worker to dial ZeroMQ")
+    run = gateway_run(
+        {
+            "env": {"backend": "mujoco_reach", "num_envs": 4},
+            "policy": {"kind": "random"},
+            "gateway": {"worker_port": port},
+        }
+    )
+    wait_for(lambda: run.status()["env_steps"] >= 100, timeout=60, what="100 env steps")
+    assert link_of(run) == [True]
+    assert "registering again over it" in log_of(worker)
+    final = run.drain()
+    count = EpisodeStore(run.run_dir / "episodes", readonly=True).count()
+    assert count.stored_steps == final["acked_steps"] and count.duplicate_steps == 0

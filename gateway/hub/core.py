@@ -4,7 +4,8 @@ One single-threaded event loop over ZeroMQ sockets, the control socket first in 
 turn and between worker messages (an e-stop never queues behind observations):
 
 - ``workers`` (ROUTER): env workers register (HELLO with their spec; a mismatch is
-  refused with ``spec_mismatch``), send OBSERVATION batches and get ACTIONs;
+  refused with ``spec_mismatch``), send OBSERVATION batches and get ACTIONs; workers on
+  this host reach it over unix sockets beside it (:mod:`gateway.local_link`);
 - ``clients`` (ROUTER): :mod:`gateway.client` envs attach to a worker and drive it
   (RESET / STEP) instead of the policy;
 - ``control`` (ROUTER): COMMANDs from the CLI, the supervisor and the trainer (status,
@@ -244,6 +245,7 @@ class Gateway:
             "heartbeat_s": self.config.heartbeat_s,
             "reset_required": reset_required,
             "estop_bus": self.control.line.bus_address,
+            "local_link": isinstance(self.workers_sock, WorkerSockets),
         }
         session.shm, ring = attach_ring(meta.get("shm"), self.config.shared_memory, uid)
         if ring is not None:

@@ -100,10 +100,10 @@ class EnvWorker:
         self._last_beat = 0.0
         backend.keepalive = self._keepalive
         self.shared_memory = shared_memory
+        """``gateway.shared_memory``: offer the gateway a shared-memory ring (:mod:`gateway.shm`)."""
         self.local_link = local_link
         """``gateway.local_link``: try the gateway's unix socket before ZeroMQ (:mod:`gateway.local_link`)."""
         self._link_logged: bool | None = None
-        """``gateway.shared_memory``: offer the gateway a shared-memory ring (:mod:`gateway.shm`)."""
         self.shm: shm.ShmWriter | None = None
         """The ring the gateway accepted for this connection (None: frames)."""
         self.cuda_ipc = cuda_ipc
@@ -169,6 +169,7 @@ class EnvWorker:
 
     def _register(self) -> dict[str, Any]:
         backoff = 0.2
+        upgrade = local_link.wanted(self.local_link, self.address, self.keys)
         while not self.stop_event.is_set():
             sock = self._connect()
             episodes = [self.episode_id(i) for i in range(self.backend.num_envs)]
@@ -193,6 +194,11 @@ class EnvWorker:
             if sock.poll(int(self.gateway_timeout_s * 1000)):
                 reply = recv(sock, self.limits)
                 if reply.type is MsgType.WELCOME:
+                    if upgrade and reply.meta.get("local_link") and not isinstance(sock, LocalLink):
+                        # Dialled ZeroMQ before the gateway listened: register again on its link.
+                        upgrade = False
+                        log.info("the gateway offers its local link; registering again over it")
+                        continue
                     self._ring_answered(reply.meta.get("shm"))
                     if self.cuda is not None:
                         self.cuda.answered(reply.meta.get("cuda_ipc"))
