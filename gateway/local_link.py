@@ -2,7 +2,7 @@
 
 Over ZeroMQ every message wakes three threads on its way (the sender's I/O thread, the
 receiver's I/O thread, the receiver); over a unix socket it wakes one. With 16 envs
-in two workers the gateway's loop serves about 30 % more steps a second this way
+in two workers the gateway's loop serves 18-28 % more steps a second this way
 (docs/performance.md). The link carries exactly the frames the ZeroMQ link carries
 (:mod:`gateway.protocol.codec`), each message length-prefixed::
 
@@ -20,7 +20,9 @@ ZeroMQ as before:
   can own the name;
 - a worker with the same setting tries the link first at every (re)connection and falls
   back to ZeroMQ when nothing listens there (the gateway is not up yet, runs with the
-  link off, or is an older one), logging which it uses;
+  link off, or is an older one), logging which it uses; a gateway with the link says so
+  in WELCOME (``local_link: true``), and a worker that registered over ZeroMQ because it
+  started first registers again over the link before its first step;
 - either side dying closes the stream: the gateway drops the connection (the worker's
   session then times out as over ZeroMQ, ``worker_timeout_s``), the worker reconnects at
   once and sends its unacknowledged steps again;
@@ -34,8 +36,9 @@ ZeroMQ as before:
   block at most its gateway timeout.
 
 :class:`WorkerSockets` is the gateway's side: the ZeroMQ ROUTER and the links behind
-the same ``send``/``recv`` calls a ROUTER takes (a link's route is ``b"L"`` and a
-counter; ZeroMQ's own routes start with a zero byte). :class:`LocalLink` is the
+the calls the codec makes on a socket that is not ZeroMQ's (``send_multipart`` and
+``recv_multipart``, a message whole, its route first; a link's route is ``b"L"`` and a
+counter, ZeroMQ's own routes start with a zero byte). :class:`LocalLink` is the
 worker's side, used where its DEALER was.
 """
 
