@@ -61,7 +61,7 @@ from typing import Any
 import zmq
 
 from gateway.protocol import Limits
-from gateway.protocol.codec import BufferFrame
+from gateway.protocol.codec import BufferFrame, recv_frames, send_frames
 from gateway.shm import is_local
 
 log = logging.getLogger(__name__)
@@ -107,14 +107,15 @@ class Reader:
         self.limits = limits
         self._buf = bytearray()
 
-    def _check(self, buf: Any, pos: int) -> int:
-        """The size of the message whose header is at ``pos``; raises :class:`LinkError`."""
+    def _check(self, buf: Any, pos: int) -> tuple[int, int]:
+        """The size and frame count of the message whose header is at ``pos``; raises
+        :class:`LinkError`."""
         size, n = HEADER.unpack_from(buf, pos)
         if not 1 <= n <= self.limits.max_frames:
             raise LinkError(f"a message of {n} frames (limit {self.limits.max_frames})")
         if size > self.limits.max_message_bytes + LENGTH.size * n or size < LENGTH.size * n:
             raise LinkError(f"a message of {size} bytes (limit {self.limits.max_message_bytes})")
-        return int(size)
+        return int(size), int(n)
 
     def feed(self, data: bytes) -> list[list[memoryview]]:
         """The messages ``data`` completes (none, one or several); raises :class:`LinkError`.
@@ -123,7 +124,7 @@ class Reader:
         a whole message in one read, the usual case, is not copied."""
         if self._buf:
             self._buf += data
-            if len(self._buf) < HEADER.size or len(self._buf) < HEADER.size + self._check(self._buf, 0):
+            if len(self._buf) < HEADER.size or len(self._buf) < HEADER.size + self._check(self._buf, 0)[0]:
                 return []  # a large message arriving in pieces is copied once, when whole
             data, self._buf = bytes(self._buf), bytearray()
         view = memoryview(data)
@@ -131,8 +132,7 @@ class Reader:
         pos = 0
         end = len(view)
         while end - pos >= HEADER.size:
-            size = self._check(view, pos)
-            n = HEADER.unpack_from(view, pos)[1]
+            size, n = self._check(view, pos)
             if end - pos - HEADER.size < size:
                 break
             body = pos + HEADER.size
@@ -151,6 +151,20 @@ class Reader:
         return out
 
 
+def poll(poller: zmq.Poller, timeout_ms: int, end: LocalLink | WorkerSockets | None) -> dict[Any, int]:
+    """``poller.poll`` where ``end`` (registered with ``poller``) is reported under its own
+    name, and only with a whole message: a poller knows it by its descriptor, whose
+    readiness means bytes, and misses a message read with an earlier one (then this does
+    not wait at all)."""
+    if end is None:
+        return dict(poller.poll(timeout_ms))
+    waiting = end.pending
+    events = dict(poller.poll(0 if waiting else timeout_ms))
+    if waiting or end.reported(events):
+        events[end] = zmq.POLLIN
+    return events
+
+
 def _frames(message: list[memoryview]) -> list[BufferFrame]:
     last = len(message) - 1
     return [BufferFrame(f, i < last) for i, f in enumerate(message)]
@@ -162,7 +176,6 @@ class LocalLink:
 
     def __init__(self, sock: socket.socket, limits: Limits, send_timeout_s: float) -> None:
         self.sock = sock
-        self.limits = limits
         self.closed = False
         """The gateway closed the stream, or it broke: reconnect."""
         self.sock.settimeout(send_timeout_s)
@@ -192,6 +205,10 @@ class LocalLink:
         """A whole message was read with an earlier one: a poller on :meth:`fileno` will not
         report it."""
         return bool(self._ready)
+
+    def reported(self, events: dict[Any, int]) -> bool:
+        """Whether a poller's ``events`` bring a whole message."""
+        return self.fileno() in events and bool(self.poll(0))
 
     def send_multipart(self, msg_parts: Sequence[Any], flags: int = 0, copy: bool = True) -> None:
         """Send one message. A broken stream drops it (as ZeroMQ drops for a peer that is
@@ -283,7 +300,6 @@ class WorkerSockets:
         except OSError:
             self.listener.close()
             raise
-        self.address = address
         self._epoll = select.epoll()
         self._epoll.register(self.listener.fileno(), select.EPOLLIN)
         self._conns: dict[bytes, _Conn] = {}
@@ -313,6 +329,10 @@ class WorkerSockets:
     def pending(self) -> bool:
         """A link's message waits, read with an earlier one: poll without waiting."""
         return bool(self._ready)
+
+    def reported(self, events: dict[Any, int]) -> bool:
+        """Whether a poller's ``events`` may bring a message (the loop asks ``zmq.EVENTS``)."""
+        return self.router in events or self.fileno() in events
 
     @property
     def links(self) -> int:
@@ -394,13 +414,7 @@ class WorkerSockets:
         if not self._ready:
             self._pump()
         if not self._ready:
-            flags = int(flags)
-            frame = self.router.recv(flags, copy=False)
-            frames = [frame]
-            while frame.more:
-                frame = self.router.recv(flags, copy=False)
-                frames.append(frame)
-            return frames
+            return recv_frames(self.router, flags)
         route, *message = self._ready.popleft()
         return [BufferFrame(memoryview(route), True), *_frames(message)]
 
@@ -415,11 +429,7 @@ class WorkerSockets:
             if conn is not None and len(msg_parts) > 1:
                 self._write(conn, msg_parts[1:])
             return
-        flags = int(flags)
-        last = len(msg_parts) - 1
-        for i in range(last):
-            self.router.send(msg_parts[i], flags | zmq.SNDMORE, copy=False)
-        self.router.send(msg_parts[last], flags, copy=False)
+        send_frames(self.router, msg_parts, flags)
 
     def _write(self, conn: _Conn, frames: Sequence[Any]) -> None:
         head, total = _header(frames)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gateway import steps
+from gateway import local_link, steps
 from gateway.config import GatewayConfig
 from gateway.endpoints import EndpointsFollower, follow_all
 from gateway.episode import EnvSpec
@@ -539,17 +539,13 @@ class Gateway:
         for sock in [self.control.sock, *(h[0] for h in handlers), *extra]:
             poller.register(sock, zmq.POLLIN)
         links = self.workers_sock if isinstance(self.workers_sock, WorkerSockets) else None
-        if links is not None:  # registered above by its epoll's descriptor, which poll reports
+        if links is not None:  # registered above by its epoll's descriptor
             poller.register(links.router, zmq.POLLIN)
-            link_events = (links.router, links.fileno())
         last_tick = last_metrics = time.monotonic()
         self.control.line.start()
         log.info("gateway serving: %s", json.dumps(self.addresses))
         while not self.state.stopping and not (stop is not None and stop.is_set()):
-            waiting = links is not None and links.pending  # read with an earlier one
-            events = dict(poller.poll(0 if waiting else int(TICK_S * 1000)))
-            if links is not None and (waiting or any(e in events for e in link_events)):
-                events[links] = zmq.POLLIN
+            events = local_link.poll(poller, int(TICK_S * 1000), links)
             turn = time.perf_counter()
             self.serve_control()
             for sock, handler in handlers:

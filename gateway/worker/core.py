@@ -482,17 +482,11 @@ class EnvWorker:
         last_heard = time.monotonic()
         poller = self._poller()
         while not self.stop_event.is_set():
-            sock = self._sock
-            waiting = isinstance(sock, LocalLink) and sock.pending  # read with an earlier one
-            events = dict(poller.poll(0 if waiting else int(self.heartbeat_s * 1000)))
-            if isinstance(sock, LocalLink):
-                # The poller reports the link by its descriptor, and bytes are not yet a
-                # whole message: the link says whether one is here.
-                if waiting or (sock.fileno() in events and sock.poll(0)):
-                    events[sock] = zmq.POLLIN
-                if sock.closed:
-                    log.warning("the gateway closed the local link; reconnecting")
-                    return None
+            link = self._sock if isinstance(self._sock, LocalLink) else None
+            events = local_link.poll(poller, int(self.heartbeat_s * 1000), link)
+            if link is not None and link.closed:
+                log.warning("the gateway closed the local link; reconnecting")
+                return None
             if self._bus is not None and self._bus in events:
                 self._bus_commands()
                 if self.stop_event.is_set():
