@@ -339,6 +339,11 @@ class WorkerSockets:
         """Workers connected over a local link now."""
         return len(self._conns)
 
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes kept for workers that have not read them yet."""
+        return sum(conn.pending_bytes for conn in self._conns.values())
+
     # ------------------------------------------------------------------ reading
 
     def _pump(self) -> None:

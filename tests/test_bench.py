@@ -20,6 +20,7 @@ import pytest
 
 from benchmarks import suites
 from benchmarks.records import Record, finish, select
+from tests.conftest import time_left, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ("64B", "4KiB", "150KiB")
@@ -115,7 +116,6 @@ def test_the_unix_socket_server_gives_up_on_a_client_that_goes_silent(tmp_path: 
     """A connected client that sends nothing ends the server with an error naming the
     wait, as a missing one does (the read's deadline, SO_RCVTIMEO)."""
     import socket
-    import time
 
     path = tmp_path / "rtt.sock"
     args = ["--log-level", "INFO", "unix-server", "--bind", str(path), "--bytes", "64", "--wait-s", "1"]
@@ -123,10 +123,12 @@ def test_the_unix_socket_server_gives_up_on_a_client_that_goes_silent(tmp_path: 
         [sys.executable, "-m", "benchmarks.rtt_peers", *args], cwd=REPO, stderr=subprocess.PIPE, text=True
     )
     try:
-        deadline = time.monotonic() + 30
-        while not path.exists():
-            assert server.poll() is None and time.monotonic() < deadline, "the server did not listen"
-            time.sleep(0.01)
+        wait_for(
+            lambda: path.exists() or server.poll() is not None,
+            timeout=time_left(),
+            what="the server to listen",
+        )
+        assert server.poll() is None, "the server exited before it listened"
         with socket.socket(socket.AF_UNIX) as client:
             client.connect(str(path))
             assert server.wait(timeout=30) == 1

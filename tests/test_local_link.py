@@ -24,7 +24,7 @@ from gateway.protocol import Limits, Message, MsgType, recv, recv_routed, send
 from gateway.protocol.codec import decode, encode, recv_frames
 from gateway.store import EpisodeStore
 from gateway.transport import readable
-from tests.conftest import log_of, wait_for
+from tests.conftest import log_of, time_left, wait_for
 
 LIMITS = Limits(max_frames=16, max_message_bytes=1 << 20)
 
@@ -57,6 +57,28 @@ def gateway_side():
         yield links, address
     finally:
         links.close()
+
+
+@pytest.fixture
+def link(gateway_side):
+    """A worker's end of the link, with the test's limits."""
+    end = LocalLink.connect(gateway_side[1], LIMITS, 5.0)
+    try:
+        yield end
+    finally:
+        end.close()
+
+
+@pytest.fixture
+def dealer(gateway_side):
+    """A worker's ZeroMQ DEALER on the same gateway."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(gateway_side[1])
+    try:
+        yield sock
+    finally:
+        sock.close()
 
 
 def receive(links: WorkerSockets, timeout_s: float = 10.0):
@@ -108,87 +130,66 @@ def test_the_link_is_wanted_only_for_a_local_gateway_without_keys_unless_off():
 
 
 @pytest.mark.unit
-def test_link_and_zmq_workers_share_the_gateways_socket_each_answered_on_its_own(gateway_side):
-    links, address = gateway_side
-    link = LocalLink.connect(address, LIMITS, 5.0)
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.linger = 0
-    dealer.connect(address)
-    try:
-        send(link, observation(1))
-        send(dealer, observation(2))
-        routes = {}
-        for _ in range(2):
-            route, msg, err = receive(links)
-            assert err is None and msg is not None
-            np.testing.assert_array_equal(msg.arrays["obs/q"], observation(msg.seq).arrays["obs/q"])
-            routes[msg.seq] = route
-        assert routes[1].startswith(local_link.ROUTE_PREFIX) and routes[2][:1] == b"\0"
-        for seq, route in routes.items():
-            action = np.full((4, 3), seq, np.float32)
-            send(
-                links,
-                Message(MsgType.ACTION, seq=seq, meta={"acked": seq}, arrays={"action": action}),
-                route=[route],
-            )
-        assert link.poll(5000)
-        got = recv(link, LIMITS)
-        assert got.seq == 1 and got.meta == {"acked": 1} and (got.arrays["action"] == 1).all()
-        assert dealer.poll(5000)
-        got = recv(dealer, LIMITS)
-        assert got.seq == 2 and (got.arrays["action"] == 2).all()
-        assert links.links == 1
-    finally:
-        link.close()
-        dealer.close()
-
-
-@pytest.mark.unit
-def test_a_link_message_and_a_zmq_one_waiting_together_arrive_whole(gateway_side):
-    links, address = gateway_side
-    link = LocalLink.connect(address, LIMITS, 5.0)
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.linger = 0
-    dealer.connect(address)
-    try:
-        send(dealer, observation(2))
-        assert links.router.poll(5000)
-        send(link, observation(1))
-        time.sleep(0.05)  # both wait now
-        got = {}
-        for _ in range(2):
-            frames = recv_frames(links)
-            msg = decode(frames[1:], LIMITS)
-            got[msg.seq] = frames[0].bytes
-            np.testing.assert_array_equal(msg.arrays["obs/q"], observation(msg.seq).arrays["obs/q"])
-        assert got[1].startswith(local_link.ROUTE_PREFIX) and got[2][:1] == b"\0"
-        assert not readable(links)
-    finally:
-        link.close()
-        dealer.close()
-
-
-@pytest.mark.unit
-def test_a_malformed_message_on_the_link_is_answered_and_the_link_goes_on(gateway_side):
-    links, address = gateway_side
-    link = LocalLink.connect(address, LIMITS, 5.0)
-    try:
-        link.send_multipart([b"not msgpack"])
+def test_link_and_zmq_workers_share_the_gateways_socket_each_answered_on_its_own(gateway_side, link, dealer):
+    links, _ = gateway_side
+    send(link, observation(1))
+    send(dealer, observation(2))
+    routes = {}
+    for _ in range(2):
         route, msg, err = receive(links)
-        assert msg is None and err is not None and err.code.value == "bad_header"
-        send(links, Message(MsgType.ERROR, meta={"code": err.code.value}), route=[route])
-        assert link.poll(5000) and recv(link, LIMITS).meta["code"] == "bad_header"
-        send(link, observation(3))
-        _, msg, err = receive(links)
-        assert err is None and msg is not None and msg.seq == 3
-    finally:
-        link.close()
+        assert err is None and msg is not None
+        np.testing.assert_array_equal(msg.arrays["obs/q"], observation(msg.seq).arrays["obs/q"])
+        routes[msg.seq] = route
+    assert routes[1].startswith(local_link.ROUTE_PREFIX) and routes[2][:1] == b"\0"
+    for seq, route in routes.items():
+        action = np.full((4, 3), seq, np.float32)
+        send(
+            links,
+            Message(MsgType.ACTION, seq=seq, meta={"acked": seq}, arrays={"action": action}),
+            route=[route],
+        )
+    assert link.poll(5000)
+    got = recv(link, LIMITS)
+    assert got.seq == 1 and got.meta == {"acked": 1} and (got.arrays["action"] == 1).all()
+    assert dealer.poll(5000)
+    got = recv(dealer, LIMITS)
+    assert got.seq == 2 and (got.arrays["action"] == 2).all()
+    assert links.links == 1
 
 
 @pytest.mark.unit
-def test_bad_framing_ends_that_connection_only(gateway_side, caplog):
+def test_a_link_message_and_a_zmq_one_waiting_together_arrive_whole(gateway_side, link, dealer):
+    links, _ = gateway_side
+    send(dealer, observation(2))
+    assert links.router.poll(5000)
+    send(link, observation(1))
+    time.sleep(0.05)  # both wait now
+    got = {}
+    for _ in range(2):
+        frames = recv_frames(links)
+        msg = decode(frames[1:], LIMITS)
+        got[msg.seq] = frames[0].bytes
+        np.testing.assert_array_equal(msg.arrays["obs/q"], observation(msg.seq).arrays["obs/q"])
+    assert got[1].startswith(local_link.ROUTE_PREFIX) and got[2][:1] == b"\0"
+    assert not readable(links)
+
+
+@pytest.mark.unit
+def test_a_malformed_message_on_the_link_is_answered_and_the_link_goes_on(gateway_side, link):
+    links, _ = gateway_side
+    link.send_multipart([b"not msgpack"])
+    route, msg, err = receive(links)
+    assert msg is None and err is not None and err.code.value == "bad_header"
+    send(links, Message(MsgType.ERROR, meta={"code": err.code.value}), route=[route])
+    assert link.poll(5000) and recv(link, LIMITS).meta["code"] == "bad_header"
+    send(link, observation(3))
+    _, msg, err = receive(links)
+    assert err is None and msg is not None and msg.seq == 3
+
+
+@pytest.mark.unit
+def test_bad_framing_ends_that_connection_only(gateway_side, link, caplog):
     links, address = gateway_side
-    good = LocalLink.connect(address, LIMITS, 5.0)
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     raw.connect(link_name(address))
     try:
@@ -199,12 +200,11 @@ def test_bad_framing_ends_that_connection_only(gateway_side, caplog):
             )
         raw.settimeout(5.0)
         assert raw.recv(10) == b""  # the gateway closed it
-        send(good, observation(4))
+        send(link, observation(4))
         _, msg, err = receive(links)
         assert err is None and msg is not None and msg.seq == 4
     finally:
         raw.close()
-        good.close()
 
 
 @pytest.mark.unit
@@ -215,16 +215,17 @@ def test_the_gateway_never_blocks_on_a_worker_that_does_not_read(gateway_side, m
         send(link, observation(1))
         route, _, _ = receive(links)
         big = np.random.default_rng(0).standard_normal((1 << 18, 3)).astype(np.float32)  # 3 MiB
-        started = time.monotonic()
         for seq in range(1, 4):
             send(links, Message(MsgType.ACTION, seq=seq, arrays={"action": big}), route=[route])
-        assert time.monotonic() - started < 5.0  # more than the socket holds: the rest waits
+        assert links.unsent_bytes > 0  # more than the socket holds: the sends returned, the rest waits
         for seq in range(1, 4):
             # The gateway's loop finishes its writes as the socket drains (each turn looks).
-            deadline = time.monotonic() + 20
-            while not link.poll(10):
-                readable(links)
-                assert time.monotonic() < deadline, "the queued action never arrived"
+            wait_for(
+                lambda: (readable(links), link.poll(10))[1],
+                timeout=time_left(),
+                interval=0,
+                what=f"queued action {seq} at the worker",
+            )
             got = recv(link, Limits())
             assert got.seq == seq
             np.testing.assert_array_equal(got.arrays["action"], big)
