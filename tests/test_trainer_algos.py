@@ -135,6 +135,43 @@ def test_a_stop_cuts_short_a_publication_that_waits_for_a_server_gone_silent():
         silent.close()
 
 
+def test_every_version_made_is_recorded_before_the_trainer_goes_on(tmp_path):
+    """A trainer killed while its publication thread still waits on a server that went
+    silent (the whole run is being killed) has made versions that thread never took: one
+    queued, one superseded in the queue. Its metrics already said so, and a restarted
+    trainer must continue after the newest, never make another version with a number it
+    used. A real ROUTER socket plays the silent server."""
+    import zmq
+
+    from trainer.versions import PUBLISHED, last_published
+
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.linger = 0
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    record = tmp_path / PUBLISHED
+    pub = Publisher(
+        spec=SPEC,
+        net_config=NET,
+        targets=[{"weights": f"tcp://127.0.0.1:{port}"}],
+        onnx=False,
+        control=None,
+        timeout_s=60.0,
+        record=record,
+    )
+    try:
+        pub.submit(1, {"w": np.ones(3, np.float32)})
+        assert silent.poll(10_000), "the publication never reached the server"
+        pub.submit(2, {"w": np.ones(3, np.float32)})
+        pub.submit(3, {"w": np.ones(3, np.float32)})  # 2 is superseded before it was sent
+        assert last_published(record) == 3  # what a trainer killed now continues after
+        assert pub.published_version == 0  # none of them has reached its server
+    finally:
+        pub.shorten_waits(0.5)
+        pub.close()
+        silent.close()
+
+
 @pytest.mark.parametrize(
     ("trainer", "message"),
     [

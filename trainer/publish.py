@@ -16,8 +16,8 @@ not ``off``), snapshots stay on the device (``cpu_offload=False``) and servers t
 the same GPU get them as a CUDA IPC handle, copied device to device
 (:mod:`inference.weights`); the others get host buckets of the same version.
 
-Each version is written to ``record`` (``<run>/checkpoints/published_version``) before
-anyone hears of it, so a trainer restarted from an older checkpoint continues after it
+Each version is written to ``record`` (``<run>/checkpoints/published_version``) when it is
+made, before anyone hears of it (a superseded one too), so a trainer restarted from an older checkpoint continues after it
 even when the gateway and the inference servers were restarted too and know no version
 (:func:`trainer.versions.last_published`); a version number never names two different
 sets of weights.
@@ -201,7 +201,13 @@ class Publisher:
     def submit(self, version: int, arrays: dict[str, Any]) -> None:
         """Queue a snapshot as ``version``, replacing a queued older one. The sending thread
         refuses it (``refused``) if any value is NaN or Inf: the check reads every weight,
-        so it stays off the training loop too."""
+        so it stays off the training loop too.
+
+        The number is recorded first, here: the thread may still be waiting on a server
+        gone silent, and a trainer killed meanwhile must continue after every number it
+        made (its metrics name them), not only after those the thread took."""
+        if self.record is not None:
+            record_published(self.record, version)
         with contextlib.suppress(queue.Empty):
             superseded = self._queue.get_nowait()  # superseded before it was sent
             if superseded is not None:
@@ -231,8 +237,6 @@ class Publisher:
                 log.error("version %d not published: non-finite values in %s", version, ", ".join(bad[:5]))
                 self._recycle(arrays)
                 continue
-            if self.record is not None:
-                record_published(self.record, version)
             try:
                 if self.control is not None:
                     # The gateway measures policy lag against when a version was made,
