@@ -15,6 +15,8 @@ one address), so the services that move there really bind other addresses.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import signal
 import subprocess
@@ -531,6 +533,39 @@ def test_a_service_whose_node_stops_answering_is_lost_only_once_ray_declares_the
         listed_alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         assert code == LOST
         assert node.node_id not in listed_alive, "counted lost while Ray still listed its node alive"
+        proc.release()
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_service_killed_outright_on_a_live_node_is_reported_killed_once_its_actor_answers(
+    cluster, tmp_path, caplog
+):
+    """The other side of the test above: a Ray worker SIGKILLs its children on its way
+    out when its node is lost, so the actor's report of its service killed outright is
+    trusted only once the actor answers again. On a live node (an OOM kill, a ``kill -9``)
+    it does, and the kill is reported as such, promptly."""
+    import ray
+
+    from gateway.engines.ray_procs import LOST, RayProcess
+
+    ray.init(address=cluster.address, log_to_driver=False, namespace="loopgate-test")
+    try:
+        proc = RayProcess(
+            "sleeper",
+            {"num_cpus": 0},
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            {},
+            str(tmp_path / "sleeper.log"),
+        )
+        wait_for(lambda: proc.poll() is None and proc.pid is not None, timeout=60, what="the service started")
+        with caplog.at_level(logging.INFO, logger="loopgate.ray"):
+            os.kill(proc.pid, signal.SIGKILL)
+            code = wait_for(lambda: proc.poll(), timeout=time_left(), interval=0.05, what="the kill reported")
+        assert code == LOST
+        assert "waiting for its Ray actor to answer" in caplog.text
+        assert "does not answer" not in caplog.text and "is gone" not in caplog.text
         proc.release()
     finally:
         ray.shutdown()
