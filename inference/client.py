@@ -137,7 +137,8 @@ class Replica:
 
 
 class InferenceSource(ActionSource):
-    """Actions from one or more inference servers, balanced by least outstanding work."""
+    """Actions from one or more inference servers, balanced by least outstanding work
+    (equally loaded ones in turn)."""
 
     def __init__(
         self,
@@ -160,6 +161,8 @@ class InferenceSource(ActionSource):
         self.waiting: list[Pending] = []
         self._done: list[Result] = []
         self._seq = 0
+        self._turn = 0
+        """Where :meth:`_pick` starts looking among equally loaded replicas."""
         self.counters = {
             "submitted": 0,
             "answered": 0,
@@ -321,11 +324,15 @@ class InferenceSource(ActionSource):
         return [r for r in live if r.version >= self.newest_seen]
 
     def _pick(self, pending: Pending) -> Replica | None:
+        """The replica with the least outstanding work; equally loaded ones take turns (one
+        request in flight at a time finds them all idle: the first would otherwise take
+        every request, and a replica added for latency none)."""
         live = self._current()
         fresh = [r for r in live if r.index not in pending.tried] or live
         if not fresh:
             return None
-        return min(fresh, key=lambda r: (r.rows + r.queue_rows, r.index))
+        self._turn = (self._turn + 1) % len(fresh)
+        return min(fresh[self._turn :] + fresh[: self._turn], key=lambda r: r.rows + r.queue_rows)
 
     def _dispatch(self, pending: Pending) -> None:
         now = time.monotonic()

@@ -95,6 +95,29 @@ def until_up(source: InferenceSource, servers: list[FakeServer]) -> None:
     run_until(source, servers, all_up, "servers up")
 
 
+def test_equally_idle_servers_take_turns(servers):
+    """One request in flight at a time (one worker, answered before it asks again): at
+    each request every server is equally idle. They take turns, so a replica the
+    autoscaler added for latency gets requests, instead of the first taking them all."""
+    source = InferenceSource([s.address for s in servers], heartbeat_s=0.02, replica_timeout_s=5.0)
+    picks: list[int] = []
+    got: list[Any] = []
+    try:
+        until_up(source, servers)
+        for i in range(6):
+            source.submit(i, obs(), time.monotonic() + 10)
+            run_until(source, servers, lambda: sum(len(s.requests) for s in servers) == 1, "a request")
+            picks.append(next(j for j, s in enumerate(servers) if s.requests))
+            for s in servers:
+                s.answer()
+            run_until(
+                source, servers, lambda: got.extend(source.results()) or len(got) == len(picks), "its answer"
+            )
+        assert sorted(picks.count(j) for j in range(len(servers))) == [3, 3], picks
+    finally:
+        source.close()
+
+
 def test_requests_go_to_the_server_with_the_least_outstanding_work(servers):
     source = InferenceSource([s.address for s in servers], heartbeat_s=0.02, replica_timeout_s=5.0)
     try:
