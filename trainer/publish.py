@@ -16,11 +16,11 @@ not ``off``), snapshots stay on the device (``cpu_offload=False``) and servers t
 the same GPU get them as a CUDA IPC handle, copied device to device
 (:mod:`inference.weights`); the others get host buckets of the same version.
 
-Each version is written to ``record`` (``<run>/checkpoints/published_version``) when it is
-made, before anyone hears of it (a superseded one too), so a trainer restarted from an older checkpoint continues after it
-even when the gateway and the inference servers were restarted too and know no version
-(:func:`trainer.versions.last_published`); a version number never names two different
-sets of weights.
+Each version is written to ``record`` (``<run>/checkpoints/published_version``) when it
+is made, before anyone hears of it (a superseded one too), so a trainer restarted from an
+older checkpoint continues after it even when the gateway and the inference servers were
+restarted too and know no version (:func:`trainer.versions.last_published`); a version
+number never names two different sets of weights.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The run's record of the trainer's newest policy version, read without torch.
 
 The publisher writes each version to ``<run>/checkpoints/published_version`` as it is
-made, before anyone hears of it (:func:`record_published`); a restarted trainer continues after it
-(:func:`last_published`), and ``summary.json`` names the newest of it and the latest
-checkpoint's counters (:func:`final_version`): a stopped trainer publishes and saves its
-last version after the gateway's last status.
+made, before anyone hears of it (:func:`record_published`); a restarted trainer continues
+after it (:func:`last_published`), and ``summary.json`` names the newest of it and the
+latest checkpoint's counters (:func:`final_version`): a stopped trainer publishes and
+saves its last version after the gateway's last status.
 """
 
 from __future__ import annotations
