@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -82,6 +84,21 @@ def test_behaviour_cloning_imitates_a_demonstrator():
     assert error() < 0.35 * before
 
 
+@pytest.fixture
+def silent() -> Iterator[tuple[Any, str]]:
+    """A real ROUTER socket playing an inference server that takes the weights and never
+    answers, and its address."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.linger = 0
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield sock, f"tcp://127.0.0.1:{port}"
+    finally:
+        sock.close()
+
+
 def test_publisher_never_sends_non_finite_weights():
     pub = Publisher(spec=SPEC, net_config=NET, targets=[], onnx=False, control=None)
     try:
@@ -101,28 +118,17 @@ def test_publisher_never_sends_non_finite_weights():
         pub.close()
 
 
-def test_a_stop_cuts_short_a_publication_that_waits_for_a_server_gone_silent():
+def test_a_stop_cuts_short_a_publication_that_waits_for_a_server_gone_silent(silent):
     """An inference server that takes the weights and never answers (it died with the
     rest of the run): once the trainer is told to stop, the wait already in progress ends
     within the stopping limit, not the 60 s publication timeout, so the rank can exit
     before torchrun's shutdown limit. A real ROUTER socket plays the silent server."""
-    import zmq
-
-    ctx = zmq.Context.instance()
-    silent = ctx.socket(zmq.ROUTER)
-    silent.linger = 0
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
     pub = Publisher(
-        spec=SPEC,
-        net_config=NET,
-        targets=[{"weights": f"tcp://127.0.0.1:{port}"}],
-        onnx=False,
-        control=None,
-        timeout_s=60.0,
+        spec=SPEC, net_config=NET, targets=[{"weights": silent[1]}], onnx=False, control=None, timeout_s=60.0
     )
     try:
         pub.submit(1, {"w": np.ones(3, np.float32)})
-        assert silent.poll(10_000), "the publication never reached the server"
+        assert silent[0].poll(10_000), "the publication never reached the server"
         assert pub.failures == 0  # still waiting for the answer that will not come
         pub.shorten_waits(1.0)
         deadline = time.monotonic() + 30
@@ -132,28 +138,21 @@ def test_a_stop_cuts_short_a_publication_that_waits_for_a_server_gone_silent():
         assert pub.request_timeout_s == 1.0
     finally:
         pub.close()
-        silent.close()
 
 
-def test_every_version_made_is_recorded_before_the_trainer_goes_on(tmp_path):
+def test_every_version_made_is_recorded_before_the_trainer_goes_on(silent, tmp_path):
     """A trainer killed while its publication thread still waits on a server that went
     silent (the whole run is being killed) has made versions that thread never took: one
     queued, one superseded in the queue. Its metrics already said so, and a restarted
     trainer must continue after the newest, never make another version with a number it
     used. A real ROUTER socket plays the silent server."""
-    import zmq
-
     from trainer.versions import PUBLISHED, last_published
 
-    ctx = zmq.Context.instance()
-    silent = ctx.socket(zmq.ROUTER)
-    silent.linger = 0
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
     record = tmp_path / PUBLISHED
     pub = Publisher(
         spec=SPEC,
         net_config=NET,
-        targets=[{"weights": f"tcp://127.0.0.1:{port}"}],
+        targets=[{"weights": silent[1]}],
         onnx=False,
         control=None,
         timeout_s=60.0,
@@ -161,7 +160,7 @@ def test_every_version_made_is_recorded_before_the_trainer_goes_on(tmp_path):
     )
     try:
         pub.submit(1, {"w": np.ones(3, np.float32)})
-        assert silent.poll(10_000), "the publication never reached the server"
+        assert silent[0].poll(10_000), "the publication never reached the server"
         pub.submit(2, {"w": np.ones(3, np.float32)})
         pub.submit(3, {"w": np.ones(3, np.float32)})  # 2 is superseded before it was sent
         assert last_published(record) == 3  # what a trainer killed now continues after
@@ -169,7 +168,6 @@ def test_every_version_made_is_recorded_before_the_trainer_goes_on(tmp_path):
     finally:
         pub.shorten_waits(0.5)
         pub.close()
-        silent.close()
 
 
 @pytest.mark.parametrize(

@@ -184,9 +184,8 @@ class RayProcess:
         """When Ray first said the actor was unavailable (None: it answers)."""
         self._node_checked = 0.0
         self._probe_ref: Any = None
-        self._confirm_ref: Any = None
-        """Asked of the actor once it reported its service killed outright (see :meth:`poll`)."""
-        self._confirm_since = 0.0
+        self._killed = False
+        """The actor reported its service killed outright and is asked once more (:meth:`poll`)."""
 
     @property
     def state(self) -> str:
@@ -248,14 +247,28 @@ class RayProcess:
                 if not _ready(self._probe_ref):
                     return None  # nothing to learn from the actor until it answers
                 ray.get(self._probe_ref)  # raises while it is still unavailable
+                if self._killed:
+                    return self._end(LOST)  # the actor answers: its node is alive, the kill stands
                 log.info("%s: its Ray actor answers again", self.name)
                 self.unavailable_since = None
-                self._confirm_ref = None
                 self._exit_ref = self.actor.wait.remote()  # the one asked before failed
             if not _ready(self._exit_ref):
                 return None
             code = int(ray.get(self._exit_ref))
-            if code == LOST and not self._actor_answers():
+            if code == LOST and not self._killed:
+                # A Ray worker SIGKILLs its children on its way out when its node is lost,
+                # and that report can arrive before Ray declares the node dead; counted
+                # lost then, the service would be placed again on a view that still holds
+                # the lost node. The actor is asked once more, as when it does not answer:
+                # an answer confirms the kill (an OOM kill, a ``kill -9``), Ray's verdict on
+                # its node or the grace decides otherwise.
+                log.info(
+                    "%s was killed (SIGKILL); waiting for its Ray actor to answer before restarting it",
+                    self.name,
+                )
+                self._killed = True
+                self.unavailable_since = time.monotonic()
+                self._probe_ref = self.actor.node.remote()
                 return None
             return self._end(code)
         except ActorUnavailableError as exc:
@@ -263,33 +276,6 @@ class RayProcess:
         except RayError as exc:
             log.warning("%s: its Ray actor is gone (%s); counting it as killed", self.name, _first_line(exc))
             return self._end(LOST)
-
-    def _actor_answers(self) -> bool:
-        """Whether the actor that reported its service killed outright (SIGKILL) still
-        answers. A Ray worker SIGKILLs its children on its way out when its node is lost,
-        and that report can arrive seconds before Ray declares the node dead; counted lost
-        then, the service would be placed again on a view that still holds the lost node.
-        So the actor is asked once more: its answer confirms the kill (an OOM kill, a
-        ``kill -9``: the node is alive); Ray calling it unavailable goes the way of
-        :meth:`_unavailable`; Ray calling it dead raises as in :meth:`poll`."""
-        now = time.monotonic()
-        if self._confirm_ref is None:
-            self._confirm_ref = self.actor.node.remote()
-            self._confirm_since = now
-            log.info(
-                "%s was killed (SIGKILL); waiting for its Ray actor to answer before restarting it", self.name
-            )
-        if not _ready(self._confirm_ref):
-            if now - self._confirm_since < UNAVAILABLE_GRACE_S:
-                return False
-            log.warning(
-                "%s: its Ray actor did not answer for %.0f s; counting it as killed",
-                self.name,
-                now - self._confirm_since,
-            )
-            return True
-        ray.get(self._confirm_ref)  # raises while it is unavailable, or once it is dead
-        return True
 
     def _unavailable(self, exc: ActorUnavailableError) -> int | None:
         """Ray lost the connection to the actor but has not declared it dead. Its node may
