@@ -57,22 +57,45 @@ Result = tuple[Any, np.ndarray | None, np.ndarray | None, str | None]
 
 
 class LatencyWindow:
-    """Request latencies of the last ``window_s`` seconds (at most ``maxlen`` of them)."""
+    """Request latencies of the last ``window_s`` seconds (at most ``maxlen`` of them), with
+    the rows each request carried: their p99, and the rows in flight on average (Little's
+    law: the rows times the latency of each answer, over the time the window covers)."""
 
-    def __init__(self, window_s: float = LATENCY_WINDOW_S, maxlen: int = 4096) -> None:
+    def __init__(
+        self, window_s: float = LATENCY_WINDOW_S, maxlen: int = 4096, since: float | None = None
+    ) -> None:
         self.window_s = window_s
-        self._samples: deque[tuple[float, float]] = deque(maxlen=maxlen)
+        self.maxlen = maxlen
+        self._samples: deque[tuple[float, float, int]] = deque()
+        self._since = time.monotonic() if since is None else since
+        """Where the record starts: when measuring began, or the last answer left out for
+        ``maxlen``. The average is taken over the window's part after it."""
 
-    def add(self, now: float, latency_s: float) -> None:
-        self._samples.append((now, latency_s))
+    def add(self, now: float, latency_s: float, rows: int = 0) -> None:
+        if len(self._samples) >= self.maxlen:
+            self._since = max(self._since, self._samples.popleft()[0])
+        self._samples.append((now, latency_s, rows))
+
+    def _expire(self, now: float) -> None:
+        while self._samples and now - self._samples[0][0] > self.window_s:
+            self._samples.popleft()
 
     def p99_ms(self, now: float) -> float | None:
         """The 99th percentile in milliseconds, or ``None`` when nothing was answered lately."""
-        while self._samples and now - self._samples[0][0] > self.window_s:
-            self._samples.popleft()
+        self._expire(now)
         if not self._samples:
             return None
-        return float(np.percentile([s for _, s in self._samples], 99)) * 1e3
+        return float(np.percentile([s for _, s, _ in self._samples], 99)) * 1e3
+
+    def rows_in_flight(self, now: float, unanswered: float = 0.0) -> float:
+        """The rows in flight on average over the window; ``unanswered``: the rows times the
+        time so far of requests not answered yet. Unlike the count at one instant, it does
+        not read 0 between the short requests of a steady light load."""
+        self._expire(now)
+        span = now - max(now - self.window_s, self._since)
+        if span <= 0:
+            return 0.0
+        return (sum(rows * latency for _, latency, rows in self._samples) + unanswered) / span
 
 
 @dataclass
@@ -123,12 +146,16 @@ class Replica:
     one, lost."""
 
     def describe(self, now: float | None = None) -> dict[str, Any]:
-        p99 = self.latency.p99_ms(time.monotonic() if now is None else now)
+        now = time.monotonic() if now is None else now
+        p99 = self.latency.p99_ms(now)
+        window = self.latency.window_s
+        unanswered = sum(p.rows * min(now - sent, window) for p, _, sent in self.inflight.values())
         return {
             "address": self.address,
             "up": self.up,
             "version": self.version,
             "inflight_rows": self.rows,
+            "inflight_rows_avg": round(self.latency.rows_in_flight(now, unanswered), 3),
             "answered": self.answered,
             "downs": self.downs,
             "latency_p99_ms": None if p99 is None else round(p99, 3),
@@ -407,8 +434,8 @@ class InferenceSource(ActionSource):
             if msg.type is MsgType.ACTION or code == ErrorCode.DEADLINE_EXCEEDED.value:
                 # An answer past its deadline is the overload the autoscaler must see too.
                 now = time.monotonic()
-                replica.latency.add(now, now - sent)
-                self.latency.add(now, now - sent)
+                replica.latency.add(now, now - sent, pending.rows)
+                self.latency.add(now, now - sent, pending.rows)
             if msg.type is MsgType.ACTION and replica.version < self.newest_seen:
                 # Acted with an older policy than one already out: ask a current server.
                 self.counters["stale_dropped"] += 1

@@ -63,15 +63,54 @@ def test_replicas_are_added_for_a_long_queue_or_a_p99_past_its_mark_and_removed_
 
 
 @pytest.mark.unit
+def test_the_rows_in_flight_are_averaged_over_the_window_not_read_at_one_instant():
+    """Little's law over the window: the rows times the latency of each answer, over the
+    time the window covers; requests still unanswered count for their time so far. A
+    steady light load reads as load, not as idle, to the autoscaler."""
+    from gateway.engines.autoscale import pressure, queue_rows
+    from inference.client import LatencyWindow
+
+    window = LatencyWindow(window_s=5.0, since=0.0)
+    assert window.rows_in_flight(0.0) == 0.0
+    window.add(1.0, 0.5, rows=8)  # 8 rows for 0.5 s in the first 2 s
+    assert window.rows_in_flight(2.0) == pytest.approx(2.0)
+    assert window.rows_in_flight(2.0, unanswered=4 * 1.0) == pytest.approx(4.0)
+    assert window.rows_in_flight(10.0) == 0.0  # the answer left the window
+    short = LatencyWindow(window_s=5.0, maxlen=2, since=0.0)
+    for t in (1.0, 2.0, 3.0):
+        short.add(t, 0.5, rows=4)
+    # The first answer was left out: the average covers only the time after it.
+    assert short.rows_in_flight(3.0) == pytest.approx(2 * 4 * 0.5 / 2.0)
+
+    # What a quiet machine showed: at the instant of the status no request was in flight,
+    # but on average 3 rows were; with a mark of 4 that is neither more nor fewer replicas.
+    status = {
+        "policy": {
+            "replicas": [
+                {"up": True, "inflight_rows": 0, "inflight_rows_avg": 3.5},
+                {"up": True, "inflight_rows": 0, "inflight_rows_avg": 2.5},
+                {"up": False, "inflight_rows": 0, "inflight_rows_avg": 9.0},
+            ],
+            "waiting": 0,
+        }
+    }
+    load, live = queue_rows(status, rows_per_request=8)
+    assert (load, live) == (3.0, 2)
+    assert pressure(load, 1.0, 4.0, 50.0) == (None, False)
+
+
+@pytest.mark.unit
 @pytest.mark.timeout(60)
 def test_the_gateway_measures_its_requests_p99_latency_over_the_last_seconds():
     """A stand-in server (a real ROUTER) that answers every request 50 ms late: the
     source's p99, overall and for the replica, is at least that; the deadline it is
-    measured against travels with it."""
+    measured against travels with it; the replica's rows in flight on average count
+    them after they were answered."""
     from inference.client import InferenceSource, LatencyWindow
     from tests.test_inference_client import FakeServer, obs, run_until
 
     server = FakeServer()
+    started = time.monotonic()
     source = InferenceSource([server.address], heartbeat_s=0.02, replica_timeout_s=5.0, deadline_ms=2000)
     try:
         run_until(source, [server], lambda: source.results() == [] and source.replicas[0].up, "server up")
@@ -86,8 +125,13 @@ def test_the_gateway_measures_its_requests_p99_latency_over_the_last_seconds():
                 source, [server], lambda n=i + 1: got.extend(source.results()) or len(got) == n, "the answer"
             )
         described = source.describe()
+        elapsed = time.monotonic() - started
         assert described["latency_p99_ms"] >= 50.0 and described["deadline_ms"] == 2000.0
-        assert described["replicas"][0]["latency_p99_ms"] >= 50.0
+        replica = described["replicas"][0]
+        assert replica["latency_p99_ms"] >= 50.0
+        # Nothing in flight now, but 4 rows were for 50 ms or more five times.
+        assert replica["inflight_rows"] == 0
+        assert 5 * 4 * 0.05 / min(elapsed, 5.0) <= replica["inflight_rows_avg"] <= 4.0
     finally:
         source.close()
         server.close()

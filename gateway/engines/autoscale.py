@@ -42,10 +42,15 @@ _REPLICA = re.compile(r"^inference-(\d+)$")
 
 def queue_rows(status: dict[str, Any], rows_per_request: int) -> tuple[float, int]:
     """(rows in flight or waiting per live replica, live replicas) from a gateway status;
-    a request waiting for a replica is one worker's observation, ``rows_per_request`` rows."""
+    a request waiting for a replica is one worker's observation, ``rows_per_request`` rows.
+
+    The rows in flight are each replica's average over the last seconds
+    (``inflight_rows_avg``), not the count at the instant of the status: under a steady
+    light load requests are in flight a fraction of each step, and the instant's count is
+    often 0, which read as idle and stopped a replica the load still kept busy."""
     policy = status.get("policy") or {}
     replicas = [r for r in policy.get("replicas", []) if r.get("up")]
-    rows = sum(int(r.get("inflight_rows", 0)) for r in replicas)
+    rows = sum(float(r.get("inflight_rows_avg", r.get("inflight_rows", 0))) for r in replicas)
     rows += int(policy.get("waiting", 0)) * rows_per_request
     return rows / max(1, len(replicas)), len(replicas)
 
