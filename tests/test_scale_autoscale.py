@@ -160,6 +160,46 @@ def test_autoscaling_slots_are_planned_but_not_started(tmp_path):
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
+def test_requests_waiting_for_a_replica_that_is_still_loading_start_no_other(tmp_path):
+    """At the start every worker's request waits for the first replica, which is still
+    loading (a GPU server takes seconds): that is no load, and another replica would load
+    no sooner. A real supervisor of the run; the autoscaler's window and cooldown are far
+    shorter than the time it is given."""
+    from gateway.engines.autoscale import Autoscaler
+    from gateway.services import RunContext
+    from gateway.supervisor import Supervisor
+    from inference.services import plan
+
+    cfg = from_dict(
+        {
+            "env": {"num_envs": 8},
+            "inference": {
+                "enabled": True,
+                "replicas": 1,
+                "max_replicas": 2,
+                "scale_up_rows": 4,
+                "scale_window_s": 0.05,
+                "scale_cooldown_s": 0.05,
+            },
+        }
+    )
+    run = RunContext(run_dir=tmp_path, config_path=tmp_path / "config.yaml", endpoints={})
+    sup = Supervisor(cfg, run, plan(cfg, run))
+    autoscaler = Autoscaler(cfg, run)
+    # Two workers' requests of 8 rows each: 16 rows waiting, four times the mark.
+    loading = {"paused": False, "policy": {"replicas": [{"up": False}, {"up": False}], "waiting": 2}}
+    try:
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            assert autoscaler.tick(sup, loading) is None
+            time.sleep(0.01)
+        assert sorted(sup.procs) == ["inference-0"] and autoscaler.changes == 0
+    finally:
+        sup.stop(timeout_s=10)
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
 def test_a_publication_skips_an_empty_autoscaling_slot_at_once():
     """No server in the slot: the publication does not wait for it and reports the servers
     that are there. The publisher's own timeout (an hour) is far past the test's, so a
@@ -216,7 +256,10 @@ def test_inference_replicas_follow_the_queue_and_the_balancer_follows_them(tmp_p
             "network": {"hidden_sizes": [64, 64]},
             "replicas": 1,
             "max_replicas": 2,
-            "scale_up_rows": 4,
+            # One replica averages about 6 rows in flight under this load (3.7 beside two
+            # busy processes), two about 2.5 each: above a quarter of the mark, so the
+            # second is not stopped while collection runs.
+            "scale_up_rows": 2,
             "scale_window_s": 1.0,
             "scale_cooldown_s": 2.0,
         },
@@ -265,6 +308,8 @@ def test_inference_replicas_follow_the_queue_and_the_balancer_follows_them(tmp_p
     assert summary["outcome"] == "interrupted", log[-3000:]
     changes = [r["autoscale"] for r in read_metrics(run / "metrics.jsonl") if "autoscale" in r]
     assert changes[0]["started"] == "inference-1" and changes[0]["replicas"] == 2
+    # Measured on a replica that answers, not on requests waiting for the first to load.
+    assert changes[0]["live"] == 1, changes
     # The idle replica stopped during the pause (after the resume the queue may grow and
     # bring it back: that is the autoscaler doing its work).
     stops = [c for c in changes if "stopped" in c]

@@ -11,7 +11,9 @@ flight on each live replica, requests waiting for one) and
   queues short can still be too slow for the deadline (a slow GPU, large batches);
 - stops the highest-numbered one (never below ``inference.replicas``) when the rows stay
   below a quarter of their mark and the p99 below half of its mark as long;
-- waits ``inference.scale_cooldown_s`` after each change.
+- waits ``inference.scale_cooldown_s`` after each change;
+- changes nothing while no replica answers (at the start, while the first one loads):
+  requests then wait for a replica that is loading, which says nothing about the load.
 
 Every replica's addresses are planned at the start (``endpoints.json`` lists
 ``max_replicas`` entries; those beyond ``replicas`` carry ``"autoscaled": true``), so the
@@ -116,6 +118,11 @@ class Autoscaler:
         mark = icfg.scale_up_rows
         reason, idle = pressure(load, p99, mark, self.p99_mark_ms)
         self.last = {"replicas": len(self.running(sup)), "rows_per_replica": round(load, 1), "p99_ms": p99}
+        if live == 0:
+            # Requests wait for a replica that is still loading (at the start, or after a
+            # restart), which says nothing about the load: another replica would load no
+            # sooner. Only a replica that answers measures it.
+            reason, idle = None, False
         self.above_since = (self.above_since or now) if reason else None
         self.below_since = (self.below_since or now) if idle else None
         if now - self.last_change < icfg.scale_cooldown_s:
