@@ -17,6 +17,7 @@ completes the handshake, so it can neither send nor receive.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -121,6 +122,18 @@ def endpoint(transport: str, host: str, port: int, ipc_dir: str | Path | None = 
             )
         return f"ipc://{path}"
     return f"tcp://{host}:{port}"
+
+
+_inproc_names = itertools.count()
+
+
+def inproc_address(name: str) -> str:
+    """A fresh ``inproc://`` address for a socket pair inside this process. Never reused:
+    closing a socket releases its inproc name only later, on ZeroMQ's reaper thread, so a
+    name derived from an object (``id(self)``) could be taken again, by an object that
+    reuses the memory, while still bound, and that bind failed ("Address already in
+    use")."""
+    return f"inproc://{name}-{os.getpid()}-{next(_inproc_names)}"
 
 
 def bind(sock: zmq.Socket[Any], address: str, keys: CurveKeys | None = None) -> str:

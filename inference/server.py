@@ -61,7 +61,7 @@ from gateway.protocol import (
     unpack,
 )
 from gateway.protocol.schemas import INFERENCE_REQUEST
-from gateway.transport import CurveKeys, bind, make_socket, readable, wait_readable
+from gateway.transport import CurveKeys, bind, inproc_address, make_socket, readable, wait_readable
 from inference.backends import Backend, LoadedPolicy, make_backend
 from inference.batcher import Batcher, Request, Staged, Stats
 from inference.config import InferenceConfig
@@ -157,7 +157,7 @@ class InferenceServer:
             self.addresses[name] = bind(sock, addresses[name], keys)
             self.socks[name] = sock
         self._by_tag = {TAGS[n]: s for n, s in self.socks.items()}
-        self._inproc = f"inproc://inference-replies-{id(self):x}"
+        self._inproc = inproc_address("inference-replies")
         self._pull = make_socket(self._ctx, zmq.PULL, rcvhwm=0)
         self._pull.bind(self._inproc)
         self._local = threading.local()

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import zmq
 
-from gateway.transport import wait_readable
+from gateway.transport import inproc_address, wait_readable
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any], zmq.Socket[Any]]]
         sock.linger = 0
     port = router.bind_to_random_port("tcp://127.0.0.1")
     dealer.connect(f"tcp://127.0.0.1:{port}")
-    idle.bind(f"inproc://idle-{id(idle):x}")
+    idle.bind(inproc_address("idle"))
     try:
         yield router, dealer, idle
     finally:
@@ -91,3 +91,18 @@ def test_descriptors_past_selects_limit_wait_in_whole_milliseconds(pair, monkeyp
     finally:
         sender.join()
     assert router.recv_multipart()[1] == b"late"
+
+
+def test_an_inproc_address_is_never_reused_so_a_bind_right_after_a_close_succeeds():
+    """ZeroMQ releases a closed socket's inproc name later, on its reaper thread: a name
+    taken from an object (``id(self)``), which a new object may reuse, failed to bind
+    ("Address already in use") on a busy machine. Fresh names never collide."""
+    ctx = zmq.Context.instance()
+    names = set()
+    for _ in range(200):
+        sock = ctx.socket(zmq.PULL)
+        address = inproc_address("idle")
+        sock.bind(address)
+        sock.close(linger=0)
+        names.add(address)
+    assert len(names) == 200

@@ -44,7 +44,7 @@ import zmq
 from gateway.hub.state import Collection
 from gateway.protocol import Message, MsgType, decode, send
 from gateway.protocol.codec import encode
-from gateway.transport import CurveKeys, bind, make_socket
+from gateway.transport import CurveKeys, bind, inproc_address, make_socket
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class ControlLine:
         self.address = bind(self.front, address, keys)
         self.bus = make_socket(ctx, zmq.PUB, sndhwm=1000)
         self.bus_address = bind(self.bus, bus_address(self.address), keys)
-        pair = f"inproc://control-line-{id(self):x}"
+        pair = inproc_address("control-line")
         self.sock = ctx.socket(zmq.PAIR)
         """The loop's end: ROUTER-framed (peer id first), read and answered by the loop."""
         self.sock.linger = 0

@@ -49,7 +49,7 @@ from gateway.protocol import (
     send,
 )
 from gateway.services import freeze_heap
-from gateway.transport import CurveKeys, bind
+from gateway.transport import CurveKeys, bind, inproc_address
 from trainer.replay.config import ReplayConfig
 from trainer.replay.core import ReplayBuffer, Waiting
 from trainer.replay.ingest import Ingest
@@ -150,7 +150,7 @@ class ReplayService:
         self.log = open_log(cfg, run_dir)
         self.recovery = rebuild(self.log, self.buffer)
         self.inbox: queue.Queue[Any] = queue.Queue()
-        self._wake_addr = f"inproc://replay-wake-{id(self)}"
+        self._wake_addr = inproc_address("replay-wake")
         self._wake_rx: zmq.Socket[Any] = self.ctx.socket(zmq.PULL)
         self._wake_rx.bind(self._wake_addr)
         self._wake_lock = threading.Lock()
