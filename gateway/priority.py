@@ -234,3 +234,66 @@ def leave_realtime(what: str) -> bool:
         return False
     log.info("%s at normal priority, below the real-time threads that serve (%d)", what, priority)
     return True
+
+
+_REALTIME = (os.SCHED_FIFO, os.SCHED_RR)
+
+
+class RealtimeGuard:
+    """Puts back what a library did to this process's threads' scheduling.
+
+    SVT-AV1 (the AV1 encoder LeRobot's datasets use), run with the right to real-time
+    scheduling (root, as in most containers), puts the thread that opens an encoder and
+    every thread it starts under ``SCHED_FIFO`` at priority 99, the highest there is:
+    above the gateway and the e-stop's path (``run.realtime_priority``). A video export
+    on a robot's machine would then take the cores from the control loop for 950 ms of
+    every second. Made before the library is called, :meth:`restore` (called after each
+    call into it) returns every thread it finds under a real-time policy it did not have
+    then to the scheduling it had (a new thread: normal scheduling)::
+
+        guard = RealtimeGuard("the AV1 encoder")
+        packets = stream.encode(frame)
+        guard.restore()
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.before = self._schedules()
+        self.restored = 0
+        """Threads put back so far."""
+
+    @staticmethod
+    def _schedules() -> dict[int, tuple[int, int]]:
+        found = {}
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # the thread ended meanwhile
+                found[int(tid)] = (
+                    os.sched_getscheduler(int(tid)),
+                    os.sched_getparam(int(tid)).sched_priority,
+                )
+        return found
+
+    def restore(self) -> int:
+        """Put back every thread now real-time that was not (or not so) before; how many."""
+        changed: list[tuple[int, int]] = []
+        for tid in map(int, os.listdir("/proc/self/task")):
+            try:
+                policy = os.sched_getscheduler(tid)
+                if policy not in _REALTIME:
+                    continue
+                now = (policy, os.sched_getparam(tid).sched_priority)
+                was = self.before.get(tid, (os.SCHED_OTHER, 0))
+                if now != was:
+                    os.sched_setscheduler(tid, was[0], os.sched_param(was[1]))
+                    changed.append(now)
+            except OSError:  # the thread ended meanwhile
+                continue
+        if changed and not self.restored:
+            log.info(
+                "%s put %d thread(s) of this process at real-time priority %s; they are back at normal priority",
+                self.what,
+                len(changed),
+                "/".join(str(p) for p in sorted({p for _, p in changed})),
+            )
+        self.restored += len(changed)
+        return len(changed)

@@ -9,7 +9,10 @@
 The AV1 encoder (SVT-AV1) prints a banner of ~25 lines to stderr each time it starts;
 :func:`encode` keeps it to its errors (``SVT_LOG=1`` unless the caller set ``SVT_LOG``),
 so a failing encode still says why, and the failure is logged with the encoder's
-settings.
+settings. With the right to real-time scheduling (root), SVT-AV1 puts its threads at
+``SCHED_FIFO`` 99, above the control loop and the e-stop's path; :func:`encode` puts
+them back at normal priority as soon as the encoder has opened
+(:class:`gateway.priority.RealtimeGuard`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from gateway.priority import RealtimeGuard
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +128,9 @@ def encode(
     os.environ.setdefault("SVT_LOG", SVT_ERRORS_ONLY)
     path.parent.mkdir(parents=True, exist_ok=True)
     h, w = frames.shape[1:3]
+    # SVT-AV1 with the right to real-time scheduling puts its threads at SCHED_FIFO 99
+    # when the encoder opens (the first frame): back to where they were, every frame.
+    guard = RealtimeGuard(f"the video encoder ({encoder.codec})")
     try:
         with av.open(str(path), "w") as container:
             stream = container.add_stream(encoder.codec, rate=round(fps), options=encoder.options())
@@ -132,12 +140,18 @@ def encode(
                 if h % 2 or w % 2:
                     frame = np.pad(frame, ((0, h % 2), (0, w % 2), (0, 0)), mode="edge")
                 picture = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
-                for packet in stream.encode(picture):
+                packets = stream.encode(picture)
+                guard.restore()
+                for packet in packets:
                     container.mux(packet)
                 if progress is not None:
                     progress(done, len(frames))
-            for packet in stream.encode():
+            packets = stream.encode()
+            guard.restore()
+            for packet in packets:
                 container.mux(packet)
     except av.FFmpegError:
         log.error("encoding %d frames of %dx%d to %s with %s failed", len(frames), w, h, path, encoder)
         raise
+    finally:
+        guard.restore()  # an encoder that failed as it opened may have started its threads
