@@ -459,21 +459,38 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=(args.log_level or "INFO").upper(), format="%(asctime)s %(levelname)s %(message)s"
     )
-    try:
-        cfg = load_config(args.config, overrides)
-        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
-        run, services, _ = prepare_run(cfg, run_dir, (args.log_level or cfg.run.log_level).upper())
-        engine = open_engine(cfg)
-    except ConfigError as exc:
-        log.error("invalid config: %s", exc)
-        return EXIT_CONFIG
-    log.info("run folder: %s (engine: %s)", run.run_dir, engine.name)
-    keys = CurveKeys.load(cfg.gateway.curve_keys) if cfg.gateway.curve_keys else None
-    control = ControlClient(run.endpoints["gateway"]["control"], keys)
-    sup = Supervisor(cfg, run, services, launcher=engine.launcher(cfg, run))
-    metrics = MetricsWriter(run.run_dir / "metrics.jsonl", "up")
-    autoscaler = Autoscaler(cfg, run)
     interrupted = {"n": 0}
+
+    def _interrupt_setup(signum: int, frame: Any) -> None:
+        # Before any service starts, an interrupt ends the command at once, whatever it
+        # waits for (an env spec built in Isaac Sim's interpreter takes minutes).
+        interrupted["n"] += 1
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, _interrupt_setup)
+    signal.signal(signal.SIGTERM, _interrupt_setup)
+    try:
+        try:
+            cfg = load_config(args.config, overrides)
+            run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+            run, services, _ = prepare_run(cfg, run_dir, (args.log_level or cfg.run.log_level).upper())
+            engine = open_engine(cfg)
+        except ConfigError as exc:
+            if interrupted["n"]:
+                # A library interrupted while building the env may report any error
+                # ("initialization failed"): the interrupt, not the config, ended it.
+                raise KeyboardInterrupt from None
+            log.error("invalid config: %s", exc)
+            return EXIT_CONFIG
+        log.info("run folder: %s (engine: %s)", run.run_dir, engine.name)
+        keys = CurveKeys.load(cfg.gateway.curve_keys) if cfg.gateway.curve_keys else None
+        control = ControlClient(run.endpoints["gateway"]["control"], keys)
+        sup = Supervisor(cfg, run, services, launcher=engine.launcher(cfg, run))
+        metrics = MetricsWriter(run.run_dir / "metrics.jsonl", "up")
+        autoscaler = Autoscaler(cfg, run)
+    except KeyboardInterrupt:
+        log.warning("interrupted while preparing the run: no service was started")
+        return 130
 
     def _sigint(signum: int, frame: Any) -> None:
         interrupted["n"] += 1

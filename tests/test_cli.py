@@ -154,6 +154,92 @@ def test_ctrl_c_drains_and_still_writes_a_summary(tmp_path):
     assert left == []
 
 
+SLOW_ENV = """
+import pathlib, time
+import gymnasium
+import numpy as np
+
+class SlowStart(gymnasium.Env):
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gymnasium.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def __init__(self):
+        pathlib.Path({marker!r}).write_text("building")
+        try:
+            time.sleep(300)
+        except KeyboardInterrupt:  # as a third-party library may report it
+            raise RuntimeError("initialization failed") from None
+
+gymnasium.register("SlowStart-v0", entry_point=SlowStart)
+"""
+
+SLOW_INTERPRETER = """#!/bin/sh
+case "$*" in
+  *--write-spec*) echo $$ > {marker}; exec sleep 300 ;;
+  *) exec {python} "$@" ;;
+esac
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["in_process", "env_python"])
+def test_ctrl_c_while_the_env_is_built_for_its_spec_ends_the_command_at_once(tmp_path, where):
+    """Before any service starts, ``loopgate up`` builds the env to read its spec: in its own
+    process, or in ``env.python``'s interpreter (Isaac Sim's starts in minutes). Stand-ins
+    that take 300 s to build (Isaac Sim cannot run here): a Gymnasium env that reports the
+    interrupt as another error, as the MuJoCo path was seen to ("initialization failed"),
+    and an interpreter that sleeps once asked for the spec. Ctrl-C ends the command at
+    once with 130, says it was interrupted (not "invalid config"), and leaves no process."""
+    marker = tmp_path / "building"
+    if where == "in_process":
+        (tmp_path / "slowstart.py").write_text(SLOW_ENV.format(marker=str(marker)))
+        extra = ["--set", "env.backend=gymnasium", "--set", "env.options={id: 'slowstart:SlowStart-v0'}"]
+    else:
+        python = tmp_path / "python"
+        python.write_text(SLOW_INTERPRETER.format(marker=marker, python=sys.executable))
+        python.chmod(0o755)
+        extra = ["--set", f"env.python={python}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "up",
+            "configs/collect_pd.yaml",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(marker.exists, timeout=60, what="the env's build to begin")
+        builder = int(marker.read_text()) if where == "env_python" else None
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted while preparing the run: no service was started" in out, out[-3000:]
+    assert "invalid config" not in out and "Traceback" not in out, out[-3000:]
+    if builder is not None:
+
+        def gone() -> bool:
+            try:
+                os.kill(builder, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        wait_for(gone, timeout=10, what="the spec's builder to end")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
