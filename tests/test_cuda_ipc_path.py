@@ -153,6 +153,16 @@ def served(loop: Loop) -> dict[str, Any]:
     return loop.server.stats.snapshot()
 
 
+def served_all(loop: Loop, settled: Any = lambda s: True) -> dict[str, Any]:
+    """The server's stats once they count every batch: the server counts a batch after its
+    answers leave, so the worker can finish (and the test read them) a moment before."""
+    return wait_for(
+        lambda: (s := served(loop))["requests"] >= STEPS and settled(s) and s,
+        timeout=time_left(),
+        what=f"the server to count {STEPS} requests",
+    )
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_observations_reach_a_same_gpu_server_as_handles_and_every_step_is_stored(loop, standin):
@@ -160,9 +170,8 @@ def test_observations_reach_a_same_gpu_server_as_handles_and_every_step_is_store
     half, status = run.run()
     (worker,) = half["workers"]
     assert worker["cuda_ipc"] and half["policy"]["replicas"][0]["cuda_ipc"]
-    stats = served(run)
     # Every request the server answered came as a handle (none fell back to arrays).
-    assert stats["device_requests"] == stats["requests"] >= STEPS
+    stats = served_all(run, lambda s: s["requests"] == s.get("device_requests"))
     assert status["policy"]["device_requests"] == status["policy"]["submitted"]
     assert stats["device_bytes"] == stats["device_requests"] * N * 15 * 4
     # The gateway still got the host arrays and recorded every step from them.
@@ -184,8 +193,7 @@ def test_when_any_side_says_no_inference_gets_host_arrays_and_the_run_collects(l
     half, status = run.run()
     (worker,) = half["workers"]
     assert worker["cuda_ipc"] is (modes == {"server": "off"}), why
-    assert served(run).get("device_requests", 0) == 0 and status["policy"]["device_requests"] == 0
-    assert served(run)["requests"] >= STEPS
+    assert served_all(run).get("device_requests", 0) == 0 and status["policy"]["device_requests"] == 0
     assert run.stored_steps() == status["acked_steps"] >= (STEPS - 1) * N
 
 

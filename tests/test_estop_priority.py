@@ -225,12 +225,15 @@ def test_a_named_zmq_contexts_threads_step_below_and_the_serving_contexts_stay()
     lowest real-time priority there is none below: they run under ``SCHED_OTHER``; in a
     process at normal priority nothing changes."""
     probe = (
-        "import json, os, sys, zmq\n"
+        "import json, os, sys, time, zmq\n"
         "from gateway.priority import go_realtime, step_below, zmq_io_threads\n"
         "from inference.server import WEIGHTS_THREADS, weights_threads\n"
         "serving = zmq.Context.instance().socket(zmq.ROUTER)\n"
         "bulk = zmq.Context(io_threads=1); bulk.set(zmq.THREAD_NAME_PREFIX, WEIGHTS_THREADS)\n"
         "weights = bulk.socket(zmq.ROUTER)\n"
+        # libzmq's threads name themselves once running: on a busy machine, a moment later.
+        "deadline = time.monotonic() + 30\n"
+        "while not zmq_io_threads() and time.monotonic() < deadline: time.sleep(0.001)\n"
         "go_realtime(int(sys.argv[1]), 'probe', every_thread=True, io_above=False)\n"
         "named = weights_threads()\n"
         "took = step_below('probe', named)\n"
