@@ -290,7 +290,7 @@ class RealtimeGuard:
                 continue
         if changed and not self.restored:
             log.info(
-                "%s put %d thread(s) of this process at real-time priority %s; they are back at normal priority",
+                "%s put %d thread(s) of this process at real-time priority %s; they are back as they were",
                 self.what,
                 len(changed),
                 "/".join(str(p) for p in sorted({p for _, p in changed})),
