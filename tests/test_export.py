@@ -567,3 +567,50 @@ def test_export_flags_demonstrations_and_evaluations_or_leaves_them_out(tmp_path
 def test_export_of_a_folder_without_data_fails_clearly(tmp_path):
     done = loopgate("export", str(tmp_path), "--format", "mcap", str(tmp_path / "o"), timeout=60)
     assert done.returncode == 2 and "not a run folder" in done.stderr
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` (relative name -> contents)."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("fmt", ["lerobot", "mcap"])
+def test_an_interrupted_export_leaves_the_previous_one_as_it_was(camera_run, tmp_path, fmt):
+    """Exported once (and marked), then again into the same place and interrupted (Ctrl-C)
+    halfway: the first export is still there, byte for byte, and nothing half-written is
+    left beside it. Once an export completes, it replaces the first whole."""
+    from trainer.replay.export import export as export_run
+
+    out = tmp_path / ("dataset" if fmt == "lerobot" else "episodes.mcap")
+    first = export_run(camera_run, fmt, out)
+    assert first["path"] == str(out)
+    if fmt == "lerobot":
+        (out / "marker").write_text("the first export")
+    else:
+        out.write_bytes(out.read_bytes() + b"the first export")
+    before = tree(tmp_path)
+
+    def interrupt(phase: str, done: int, total: int) -> None:
+        if done >= total // 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        export_run(camera_run, fmt, out, progress=interrupt)
+    assert tree(tmp_path) == before
+    again = export_run(camera_run, fmt, out)
+    assert again == first
+    after = tree(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+    assert not any(b"the first export" in data or "marker" in name for name, data in after.items())
+
+
+def test_an_export_refuses_a_folder_that_holds_something_else(synthetic_run, tmp_path):
+    """The export replaces its folder whole, so a folder with other files (a mistyped
+    path, a parent folder) is refused, untouched, with the reason."""
+    out = tmp_path / "datasets"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    done = loopgate("export", str(synthetic_run), "--format", "lerobot", str(out), timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "holds something other than a LeRobot dataset" in done.stderr
+    assert tree(out) == {"notes.txt": b"mine"}

@@ -16,15 +16,25 @@ On a terminal the export draws a progress bar per phase (episodes, each camera's
 video, MCAP steps); otherwise it logs each phase's progress every few seconds and when
 the phase is done. It ends with a one-line summary on stderr and the summary as JSON on
 stdout. Every column and topic is listed in ``docs/export.md``.
+
+The export is written beside its destination and takes its place only once complete
+(:func:`replacing`): interrupted or failed, it leaves ``OUT`` as it was, a dataset
+exported there before included. A LeRobot ``OUT`` that holds something other than a
+dataset is refused, never replaced.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
+import shutil
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +59,47 @@ def run_episodes(run_dir: str | Path, *, demos: bool = False, evals: bool = True
     return assemble_episodes(chunks)
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+@contextlib.contextmanager
+def replacing(target: Path) -> Iterator[Path]:
+    """A path beside ``target`` (same folder, same suffix) to write the export to. Once the
+    block ends, it takes ``target``'s place (a folder there is swapped out and removed);
+    if the block raises, Ctrl-C included, it is removed and ``target`` is left as it was."""
+    partial = target.with_name(f".{target.stem}.partial-{os.getpid()}{target.suffix}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove(partial)
+    try:
+        yield partial
+    except BaseException:
+        _remove(partial)
+        raise
+    if target.is_dir() and not target.is_symlink():
+        old = target.with_name(f".{target.stem}.old-{os.getpid()}{target.suffix}")
+        os.rename(target, old)
+        os.rename(partial, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(partial, target)
+
+
+def check_lerobot_out(out: Path) -> None:
+    """Refuse an ``OUT`` that is a file, or a folder holding anything but a dataset: the
+    export replaces ``OUT`` whole."""
+    if out.is_file():
+        raise ValueError(f"{out} is a file; a LeRobot dataset is a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "meta" / "info.json").is_file():
+        raise ValueError(
+            f"{out} holds something other than a LeRobot dataset (no meta/info.json), and the "
+            "export would replace it whole: export into a new or empty folder"
+        )
+
+
 def export(
     run_dir: str | Path,
     fmt: str,
@@ -61,16 +112,24 @@ def export(
     run = Path(run_dir)
     if fmt not in ("lerobot", "mcap"):
         raise ValueError(f"unknown export format {fmt!r} (lerobot, mcap)")
+    out = Path(out)
+    if fmt == "lerobot":
+        check_lerobot_out(out)
     episodes = run_episodes(run, demos=demos, evals=evals)
     spec_path = run / "spec.json"
     spec = json.loads(spec_path.read_text()) if spec_path.exists() else None
     if fmt == "lerobot":
         from trainer.replay.export_lerobot import write_lerobot
 
-        return write_lerobot(episodes, Path(out), spec, progress=progress)
+        with replacing(out) as partial:
+            result = write_lerobot(episodes, partial, spec, progress=progress)
+        return {**result, "path": str(out)}
     from trainer.replay.export_mcap import write_mcap
 
-    return write_mcap(episodes, Path(out), progress=progress)
+    target = out / "episodes.mcap" if out.suffix != ".mcap" else out
+    with replacing(target) as partial:
+        result = write_mcap(episodes, partial, progress=progress)
+    return {**result, "path": str(target)}
 
 
 class ExportProgress:
@@ -144,10 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     start = time.monotonic()
+    signal.signal(signal.SIGTERM, _interrupted)  # stops like Ctrl-C: OUT left as it was
     try:
         with ExportProgress() as progress:
             result = export(
@@ -156,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, ImportError) as exc:
         log.error("%s", exc)
         return 2
+    except KeyboardInterrupt:
+        log.warning("interrupted: %s is left as it was", args.out)
+        return 130
     log.info("%s", summary_line(args.format, result, time.monotonic() - start))
     print(json.dumps(result))
     return 0
