@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -62,29 +63,21 @@ def test_up_runs_to_its_budget_and_writes_the_run_folder(tmp_path):
     assert {"gateway", "up"} <= services
 
 
-def test_up_restarts_a_crashed_worker_and_loses_nothing(tmp_path):
-    run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway",
-            "up",
-            "configs/collect_pd.yaml",
-            "--run-dir",
-            str(run),
-            "--max-env-steps",
-            "6000",
-            "--set",
-            "env.workers=1",
-            "--set",
-            "env.num_envs=4",
-        ],
+def up_collect_pd(run: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """``loopgate up configs/collect_pd.yaml`` into ``run`` with ``args``; its output piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway", "up", "configs/collect_pd.yaml", "--run-dir", str(run), *args],
         cwd=REPO,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def test_up_restarts_a_crashed_worker_and_loses_nothing(tmp_path):
+    run = tmp_path / "run"
+    proc = up_collect_pd(run, "--max-env-steps", "6000", "--set", "env.workers=1", "--set", "env.num_envs=4")
     try:
         log = run / "logs" / "worker-0.log"
         pid_line = wait_for(
@@ -113,23 +106,7 @@ def test_up_restarts_a_crashed_worker_and_loses_nothing(tmp_path):
 
 def test_ctrl_c_drains_and_still_writes_a_summary(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway",
-            "up",
-            "configs/collect_pd.yaml",
-            "--run-dir",
-            str(run),
-            "--set",
-            "run.max_env_steps=null",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = up_collect_pd(run, "--set", "run.max_env_steps=null")
     try:
         wait_for(
             lambda: (
@@ -200,23 +177,7 @@ def test_ctrl_c_while_the_env_is_built_for_its_spec_ends_the_command_at_once(tmp
         python.chmod(0o755)
         extra = ["--set", f"env.python={python}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway",
-            "up",
-            "configs/collect_pd.yaml",
-            "--run-dir",
-            str(tmp_path / "run"),
-            *extra,
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = up_collect_pd(tmp_path / "run", *extra, env=env)
     try:
         wait_for(marker.exists, timeout=60, what="the env's build to begin")
         builder = int(marker.read_text()) if where == "env_python" else None

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -275,3 +276,43 @@ def test_the_kernels_real_time_budget_is_read_and_said_in_words(tmp_path):
     if real.exists():
         budget = realtime_budget()
         assert budget is not None and budget[0] == int(real.read_text())
+
+
+def threads_at_realtime() -> list[tuple[str, int]]:
+    """(name, priority) of this process's threads under ``SCHED_FIFO``."""
+    return [(name, prio) for name, prio in threads(os.getpid()) if prio > 0]
+
+
+@pytest.mark.skipif(
+    not may_use_realtime(99),
+    reason="this user may not use real-time scheduling: SVT-AV1 cannot take it either",
+)
+@pytest.mark.integration
+def test_the_av1_encoder_leaves_no_thread_at_real_time_priority(tmp_path, caplog):
+    """SVT-AV1, allowed real-time scheduling (root, as in CI and most containers), puts
+    the thread that opens it and its own threads at SCHED_FIFO 99, above the gateway and
+    the e-stop's path. None is left there while frames go in, after the video is written,
+    or after an encode that failed as the encoder opened."""
+    import logging
+
+    import av
+
+    from trainer.replay.export_video import VideoEncoder, encode
+
+    caplog.set_level(logging.INFO, logger="gateway.priority")
+    assert realtime_threads(os.getpid()) == set()
+    encoder = VideoEncoder(codec="libsvtav1", crf=30, preset=12)
+    seen: list[list[tuple[str, int]]] = []
+    encode(
+        np.zeros((12, 32, 32, 3), np.uint8),
+        tmp_path / "ok.mp4",
+        fps=20,
+        encoder=encoder,
+        progress=lambda done, total: seen.append(threads_at_realtime()),
+    )
+    assert len(seen) == 12 and all(s == [] for s in seen), seen
+    assert realtime_threads(os.getpid()) == set()
+    assert "put" in caplog.text and "real-time priority 99" in caplog.text
+    with pytest.raises(av.FFmpegError):
+        encode(np.zeros((4, 2, 2, 3), np.uint8), tmp_path / "bad.mp4", fps=20, encoder=encoder)
+    assert realtime_threads(os.getpid()) == set()

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.priority import may_use_realtime
 from gateway.trajectory import Episode, StepRows
 from tests.conftest import REPO, loopgate
 from trainer.replay.export import run_episodes
@@ -403,53 +402,6 @@ def test_av1_encoder_is_quiet_until_it_fails(tmp_path, capfd, caplog, monkeypatc
         encode(np.zeros((4, 2, 2, 3), np.uint8), tmp_path / "bad.mp4", fps=20, encoder=encoder)
     assert "Svt[error]" in capfd.readouterr().err  # too small for SVT-AV1: it says so
     assert "libsvtav1" in caplog.text and "failed" in caplog.text
-
-
-def realtime_threads() -> list[tuple[str, int]]:
-    """(name, priority) of this process's threads under a real-time policy."""
-    found = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            if os.sched_getscheduler(int(tid)) in (os.SCHED_FIFO, os.SCHED_RR):
-                name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-                found.append((name, os.sched_getparam(int(tid)).sched_priority))
-        except OSError:  # the thread ended meanwhile
-            continue
-    return found
-
-
-@pytest.mark.skipif(
-    not may_use_realtime(99),
-    reason="this user may not use real-time scheduling: SVT-AV1 cannot take it either",
-)
-def test_the_av1_encoder_leaves_no_thread_at_real_time_priority(tmp_path, caplog):
-    """SVT-AV1, allowed real-time scheduling (root, as in CI and most containers), puts
-    the thread that opens it and its own threads at SCHED_FIFO 99, above the gateway and
-    the e-stop's path. None is left there while frames go in, after the video is written,
-    or after an encode that failed as the encoder opened."""
-    import logging
-
-    import av
-
-    from trainer.replay.export_video import VideoEncoder, encode
-
-    caplog.set_level(logging.INFO, logger="gateway.priority")
-    assert realtime_threads() == []
-    encoder = VideoEncoder(codec="libsvtav1", crf=30, preset=12)
-    seen: list[list[tuple[str, int]]] = []
-    encode(
-        np.zeros((12, 32, 32, 3), np.uint8),
-        tmp_path / "ok.mp4",
-        fps=20,
-        encoder=encoder,
-        progress=lambda done, total: seen.append(realtime_threads()),
-    )
-    assert len(seen) == 12 and all(s == [] for s in seen), seen
-    assert realtime_threads() == []
-    assert "put" in caplog.text and "real-time priority 99" in caplog.text
-    with pytest.raises(av.FFmpegError):
-        encode(np.zeros((4, 2, 2, 3), np.uint8), tmp_path / "bad.mp4", fps=20, encoder=encoder)
-    assert realtime_threads() == []
 
 
 # ---------------------------------------------------------------------------- MCAP

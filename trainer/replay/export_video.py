@@ -146,12 +146,10 @@ def encode(
                     container.mux(packet)
                 if progress is not None:
                     progress(done, len(frames))
-            packets = stream.encode()
-            guard.restore()
-            for packet in packets:
+            for packet in stream.encode():
                 container.mux(packet)
     except av.FFmpegError:
         log.error("encoding %d frames of %dx%d to %s with %s failed", len(frames), w, h, path, encoder)
         raise
     finally:
-        guard.restore()  # an encoder that failed as it opened may have started its threads
+        guard.restore()  # after the flush, and after an encoder that failed as it opened
