@@ -318,6 +318,14 @@ def test_lost_gpu_node_its_services_come_back_elsewhere_and_the_trainer_resumes_
             interval=0.2,
             what="the resumed trainer's first publication",
         )
+        # Stopped at once, a run whose collection was still held (the replay table's rate
+        # limiter while the trainer came back) could end with no step after the loss.
+        wait_for(
+            lambda: env_steps(run) > steps_at_loss,
+            timeout=time_left(margin=40),
+            interval=0.2,
+            what="collection to go on after the loss",
+        )
     except BaseException:
         proc.kill()
         print(output(proc)[-8000:])  # the driver's placements and restarts, shown on failure
