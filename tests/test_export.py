@@ -556,6 +556,74 @@ def test_an_interrupted_export_leaves_the_previous_one_as_it_was(camera_run, tmp
     assert not any(b"the first export" in data or "marker" in name for name, data in after.items())
 
 
+KILLED_EXPORT = """
+import os, signal, sys
+from trainer.replay import export as ex
+
+run, fmt, out, where = sys.argv[1:]
+if where == "halfway":
+    def progress(phase, done, total):
+        if done >= total // 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+    ex.export(run, fmt, out, progress=progress)
+else:  # between the swap's two renames: the previous export moved aside, the new one not in place
+    rename = os.rename
+    def rename_then_die(src, dst):
+        rename(src, dst)
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.rename = rename_then_die
+    ex.export(run, fmt, out)
+"""
+
+
+@pytest.mark.parametrize(("fmt", "where"), [("lerobot", "halfway"), ("mcap", "halfway"), ("lerobot", "swap")])
+def test_an_export_killed_outright_is_cleared_by_the_next_one(camera_run, tmp_path, fmt, where):
+    """An export killed by SIGKILL (halfway through, or between the two renames that swap a
+    finished dataset in) leaves hidden files beside its destination, and in the swap's case
+    no destination at all. The next export puts the previous one back or removes what is
+    left, then replaces it: the folder holds the destination alone, complete."""
+    from trainer.replay.export import export as export_run
+
+    out = tmp_path / ("dataset" if fmt == "lerobot" else "episodes.mcap")
+    first = export_run(camera_run, fmt, out)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_EXPORT, str(camera_run), fmt, str(out), where],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert any(".partial-" in name or ".old-" in name for name in left), left
+    assert (out.name in left) == (where == "halfway"), left
+    again = export_run(camera_run, fmt, out)
+    assert again == first
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+def test_the_leftovers_of_an_export_still_running_are_not_touched(tmp_path):
+    """Only an export whose process is gone is cleared: a partial of a live process
+    (another export writing to the same place) is kept."""
+    from trainer.replay.export import sweep_leftovers
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        gone = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        )
+        live = tmp_path / f".dataset.partial-{sleeper.pid}"
+        dead = tmp_path / f".dataset.partial-{int(gone.stdout)}"
+        other = tmp_path / f".datasets.partial-{int(gone.stdout)}"  # another destination's
+        for path in (live, dead, other):
+            path.mkdir()
+        sweep_leftovers(tmp_path / "dataset")
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 def test_an_export_refuses_a_folder_that_holds_something_else(synthetic_run, tmp_path):
     """The export replaces its folder whole, so a folder with other files (a mistyped
     path, a parent folder) is refused, untouched, with the reason."""

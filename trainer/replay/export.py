@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -66,13 +67,49 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_leftovers(target: Path) -> None:
+    """Clear what an export to ``target`` killed outright (SIGKILL, power loss) left beside
+    it: its partial is removed; a previous export it had swapped out but not yet replaced
+    is put back where it was, or removed once the new one is in place. Only exports whose
+    process is gone are touched: one still running keeps its files."""
+    if not target.parent.is_dir():
+        return
+    pattern = re.compile(rf"\.{re.escape(target.stem)}\.(partial|old)-(\d+){re.escape(target.suffix)}")
+    found = [
+        (m.group(1), int(m.group(2)), p) for p in target.parent.iterdir() if (m := pattern.fullmatch(p.name))
+    ]
+    for kind, pid, path in sorted(found, key=lambda f: f[0] != "old"):  # swapped-out ones first
+        if pid == os.getpid() or _alive(pid):
+            continue
+        if kind == "old" and not (target.exists() or target.is_symlink()):
+            log.warning(
+                "%s: putting back the export an interrupted one (pid %d) had swapped out", target, pid
+            )
+            os.rename(path, target)
+        else:
+            log.info("%s: removing %s, left by an interrupted export (pid %d)", target, path.name, pid)
+            _remove(path)
+
+
 @contextlib.contextmanager
 def replacing(target: Path) -> Iterator[Path]:
     """A path beside ``target`` (same folder, same suffix) to write the export to. Once the
     block ends, it takes ``target``'s place (a folder there is swapped out and removed);
-    if the block raises, Ctrl-C included, it is removed and ``target`` is left as it was."""
+    if the block raises, Ctrl-C included, it is removed and ``target`` is left as it was.
+    What an export killed outright left beside ``target`` is cleared first (:func:`sweep_leftovers`)."""
     partial = target.with_name(f".{target.stem}.partial-{os.getpid()}{target.suffix}")
     target.parent.mkdir(parents=True, exist_ok=True)
+    sweep_leftovers(target)
     _remove(partial)
     try:
         yield partial
