@@ -68,7 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target, _ = COMMANDS[name]
     module_name, _, func = target.partition(":")
-    result = getattr(importlib.import_module(module_name), func)(args[1:])
+    try:
+        # A command's imports take a while (torch, MuJoCo, rclpy); Ctrl-C during them, or
+        # in a command that does not stop on it itself, ends it with one line.
+        result = getattr(importlib.import_module(module_name), func)(args[1:])
+    except KeyboardInterrupt:
+        print(f"loopgate {name}: interrupted", file=sys.stderr)
+        return 130
     return int(result or 0)
 
 

@@ -201,6 +201,46 @@ def test_ctrl_c_while_the_env_is_built_for_its_spec_ends_the_command_at_once(tmp
         wait_for(gone, timeout=10, what="the spec's builder to end")
 
 
+SLOW_IMPORT = """
+import pathlib, time
+pathlib.Path({marker!r}).write_text("importing")
+time.sleep(300)
+
+def main(argv):
+    return 0
+"""
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_a_command_is_still_importing_ends_it_with_one_line(tmp_path):
+    """A command's first second or so goes to its imports (torch, MuJoCo, rclpy), before it
+    can handle Ctrl-C itself. A stand-in command whose import takes 300 s: Ctrl-C during
+    it ends the command with 130 and one line, not Python's traceback."""
+    marker = tmp_path / "importing"
+    (tmp_path / "slowimport.py").write_text(SLOW_IMPORT.format(marker=str(marker)))
+    script = (
+        "import sys; from gateway import cli; "
+        "cli.COMMANDS['slow'] = ('slowimport:main', 'imports for 300 s'); sys.exit(cli.main(['slow']))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(marker.exists, timeout=30, what="the command's import to begin")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert out.strip() == "loopgate slow: interrupted", out[-3000:]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
