@@ -18,6 +18,10 @@ Every call has a deadline (``timeout_s``) and raises :class:`~gateway.protocol.T
 instead of hanging; errors from the gateway arrive as
 :class:`~gateway.protocol.RemoteError`.
 
+A script may start with ``loopgate up``: until a worker has registered with the gateway,
+the constructor waits (held, reason ``no_worker``); with workers registered, one that
+none of them can take (another ``num_envs``, all attached) raises at once.
+
 The gateway's stop states apply to scripts as to its own policy. While the e-stop is
 engaged, collection is paused, the step budget is reached or the replay service pushes
 back, ``reset`` and ``step`` wait: the gateway says so about once a second (the reason

@@ -100,3 +100,63 @@ def test_bad_actions_from_a_client_are_refused_and_the_env_survives(gateway_run)
         assert env.observation_space.contains(obs)
     finally:
         env.close()
+
+
+def test_a_script_started_before_any_worker_waits_for_one(gateway_run, caplog):
+    """A script started right after ``loopgate up`` attaches before any worker has
+    registered: its HELLO waits (the gateway says why about once a second) and is answered
+    once a worker registers, instead of failing with "no free worker"."""
+    import logging
+    import threading
+
+    run = gateway_run(external(1))
+    attached: list[GatewayEnv] = []
+    failed: list[BaseException] = []
+
+    def attach() -> None:
+        try:
+            attached.append(GatewayEnv(run.endpoints["clients"], timeout_s=5))
+        except BaseException as exc:  # reported by the test below
+            failed.append(exc)
+
+    caplog.set_level(logging.INFO, logger="gateway.client")
+    script = threading.Thread(target=attach, daemon=True)
+    script.start()
+    wait_for(lambda: "(no_worker)" in caplog.text or failed, what="the HELLO to be held for a worker")
+    assert not failed, failed
+    run.worker(0)
+    script.join(timeout=60)
+    assert not script.is_alive() and not failed, failed
+    env = attached[0]
+    try:
+        env.reset(seed=0)
+        for _ in range(10):
+            env.step(env.action_space.sample())
+    finally:
+        env.close()
+    assert run.drain()["acked_steps"] >= 10
+
+
+def test_a_hello_that_waits_for_a_worker_hears_when_the_run_ends(gateway_run):
+    """No worker ever registers and the run drains: the waiting script hears that the run
+    ended (RunEnded), instead of waiting on."""
+    import threading
+
+    from gateway.client import RunEnded
+
+    run = gateway_run(external(1))
+    outcome: list[BaseException | None] = []
+
+    def attach() -> None:
+        try:
+            GatewayEnv(run.endpoints["clients"], timeout_s=5).close()
+            outcome.append(None)
+        except BaseException as exc:  # checked below
+            outcome.append(exc)
+
+    script = threading.Thread(target=attach, daemon=True)
+    script.start()
+    wait_for(lambda: not script.is_alive() or run.status().get("clients_waiting"), what="the HELLO to wait")
+    run.drain()
+    script.join(timeout=30)
+    assert len(outcome) == 1 and isinstance(outcome[0], RunEnded), outcome

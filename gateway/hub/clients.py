@@ -19,6 +19,11 @@ client's RESET or STEP waits at the gateway (the worker's envs do not move) and 
 client is sent HELD ``{reason, message}`` about once a second; the request goes ahead
 once the state lifts. While the run drains (it is ending) the request is answered with
 the error ``run_ended``.
+
+A HELLO that arrives before any worker has registered (a script started with ``loopgate
+up``, or while every worker restarts) waits the same way, with HELD ``{reason:
+"no_worker"}`` about once a second, and is answered once a worker registers. With
+workers registered, a HELLO that none of them can take is refused at once.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ class ClientRouter:
         self.sock = make_socket(ctx, zmq.ROUTER)
         self.address = bind(self.sock, address, keys)
         self.clients: dict[bytes, ClientState] = {}
+        self.waiting: dict[bytes, tuple[Message, float]] = {}
+        """HELLOs that wait for a first worker: route -> (HELLO, when last told so)."""
 
     def _session(self, state: ClientState) -> WorkerSession:
         session = self.hub.sessions.get(state.uid)
@@ -89,6 +96,7 @@ class ClientRouter:
             state = self.clients.get(route)
             if state is None:
                 if msg.type is MsgType.BYE:
+                    self.waiting.pop(route, None)  # a client that gave up waiting
                     return
                 raise ProtocolError(ErrorCode.NOT_REGISTERED, f"send HELLO before {msg.type.name}")
             state.last_seen = time.monotonic()
@@ -116,6 +124,13 @@ class ClientRouter:
         if route in self.clients:
             self.detach(self.clients[route])
         now = time.monotonic()
+        self.waiting.pop(route, None)
+        if not self.hub.sessions:
+            if self.hub.hold_reason(policy=False) == "draining":
+                raise ProtocolError(ErrorCode.RUN_ENDED, self.hub.hold_message("draining"))
+            log.info("client %s waits for a worker to register", route.hex()[:8])
+            self._notify_waiting(route, msg, now)
+            return
         candidates = [
             s
             for s in self.hub.sessions.values()
@@ -147,6 +162,27 @@ class ClientRouter:
         meta = {"worker": session.uid, "num_envs": session.num_envs, "spec": self.hub.spec.to_dict()}
         send(self.sock, Message(MsgType.WELCOME, seq=msg.seq, meta=meta), route=[route])
         log.info("client %s attached to worker %s", route.hex()[:8], session.uid)
+
+    def _notify_waiting(self, route: bytes, hello: Message, now: float) -> None:
+        self.waiting[route] = (hello, now)
+        meta = {"reason": "no_worker", "message": "no env worker has registered with the gateway yet"}
+        send(self.sock, Message(MsgType.HELD, seq=hello.seq, meta=meta), route=[route])
+
+    def _attach_waiting(self, now: float) -> None:
+        """HELLOs that waited for a first worker: answered once one registered (or the run
+        ends), reminded once a second meanwhile."""
+        draining = self.hub.hold_reason(policy=False) == "draining"
+        for route, (hello, told) in list(self.waiting.items()):
+            if self.hub.sessions or draining:
+                del self.waiting[route]
+                try:
+                    if draining:
+                        raise ProtocolError(ErrorCode.RUN_ENDED, self.hub.hold_message("draining"))
+                    self.on_hello(route, hello)
+                except ProtocolError as exc:
+                    self.hub.reply_error(self.sock, route, exc, hello.seq)
+            elif now - told >= HELD_NOTICE_S:
+                self._notify_waiting(route, hello, now)
 
     def _silent(self, route: bytes, now: float) -> bool:
         state = self.clients.get(route)
@@ -182,6 +218,8 @@ class ClientRouter:
     def release_held(self) -> None:
         """Go ahead with held requests whose stop state lifted; tell the others why they wait."""
         now = time.monotonic()
+        if self.waiting:
+            self._attach_waiting(now)
         reason = self.hub.hold_reason(policy=False)
         for state in [s for s in self.clients.values() if s.held is not None]:
             msg = state.held

@@ -46,6 +46,7 @@ def status_of(gw: Any) -> dict[str, Any]:
         "policy_version": gw.source.version if gw.source else 0,
         "uptime_s": round(now - gw.started, 1),
         "busy_s": round(gw.busy_s, 3),
+        "clients_waiting": len(gw.clients.waiting),
         "workers": [
             {
                 "uid": s.uid,
