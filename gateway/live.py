@@ -1,7 +1,8 @@
 """The live view of ``loopgate up``: a progress bar and a status table.
 
 On a terminal it redraws in place (rich ``Live``); otherwise (CI, a log file) it logs
-one status line every few seconds instead.
+one status line every few seconds instead. :class:`StartupWatch` says there why a worker
+is not collecting yet (a robot that does not publish, a simulator still loading).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
@@ -103,3 +105,72 @@ class LiveView:
         outer.add_row(stats)
         outer.add_row(table)
         return outer
+
+
+START_NOTICE_S = 10.0
+"""A worker that has not registered with the gateway this long after it started is
+reported, and again as often while it has not."""
+
+
+def last_line(path: Path, limit: int = 240) -> str:
+    """The last non-empty line of a log file (``""`` if there is none), cut to ``limit``."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 8192))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    line = next((text.strip() for text in reversed(lines) if text.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class StartupWatch:
+    """Workers that run but have not registered with the gateway, and what their log says.
+
+    Until its backend is up a worker does not register: a ROS 2 robot it waits for (up to
+    ``connect_timeout_s``), a simulator that loads for minutes. Its own log says what it
+    waits for; ``loopgate up``'s output said only ``env_steps=0``. A worker not registered
+    ``notice_s`` after it started is logged with its log's last line, again every
+    ``notice_s``, and :attr:`details` holds the same for the live table. Workers are
+    matched to the gateway's sessions by process id; where the ids cannot match (workers
+    on other hosts), only a shortfall in the number registered is reported.
+    """
+
+    def __init__(self, logs: Path, notice_s: float = START_NOTICE_S) -> None:
+        self.logs, self.notice_s = logs, notice_s
+        self._since: dict[tuple[str, int], float] = {}
+        self._told: dict[str, float] = {}
+        self.details: dict[str, str] = {}
+        """Service name -> why it is not collecting yet (only the workers that are late)."""
+
+    def check(self, status: dict[str, Any], services: list[dict[str, Any]], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        sessions = status.get("workers", [])
+        registered = {w.get("pid") for w in sessions}
+        running = [
+            s
+            for s in services
+            if s["name"].startswith("worker-") and s["state"] == "running" and s.get("pid")
+        ]
+        late = [s for s in running if s["pid"] not in registered] if len(sessions) < len(running) else []
+        keys = {(s["name"], s["pid"]) for s in late}
+        self._since = {k: t for k, t in self._since.items() if k in keys}
+        self.details = {}
+        for s in late:
+            name = s["name"]
+            age = now - self._since.setdefault((name, s["pid"]), now)
+            if age < self.notice_s:
+                continue
+            path = self.logs / f"{name}.log"
+            said = last_line(path) or "(nothing yet)"
+            self.details[name] = f"not registered after {age:.0f} s: {said}"
+            if now - self._told.get(name, float("-inf")) >= self.notice_s:
+                self._told[name] = now
+                log.info(
+                    "%s has not registered with the gateway %.0f s after it started; the last line of %s: %s",
+                    name,
+                    age,
+                    path,
+                    said,
+                )

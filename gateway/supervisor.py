@@ -39,7 +39,7 @@ from gateway.engines import open_engine
 from gateway.engines.autoscale import Autoscaler
 from gateway.engines.scaling import serve_requests
 from gateway.factory import experiment_spec
-from gateway.live import LiveView
+from gateway.live import LiveView, StartupWatch
 from gateway.metrics import Histogram, MetricsWriter
 from gateway.priority import may_set_niceness, set_session_niceness
 from gateway.protocol import RemoteError, Timeout
@@ -528,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sup.start_all(ready, should_stop=lambda: interrupted["n"] > 0)
         collect_start = time.monotonic()
+        watch = StartupWatch(run.run_dir / "logs")
         with LiveView(cfg.name, cfg.run.max_env_steps) as view:
             while not sup.failed and not interrupted["n"]:
                 sup.supervise()
@@ -539,7 +540,11 @@ def main(argv: list[str] | None = None) -> int:
                     status = control.request("status", timeout_s=2.0)
                 autoscaler.tick(sup, status, metrics)
                 scaling = autoscaler.describe()
-                view.update(status, sup.describe(), scaling)
+                described = sup.describe()
+                watch.check(status, described)
+                for row in described:
+                    row["detail"] = watch.details.get(row["name"], row["detail"])
+                view.update(status, described, scaling)
                 record = {k: v for k, v in status.items() if k not in ("spec", "rtt", "workers")}
                 if scaling:
                     record["autoscaler"] = {**autoscaler.last, "p99_mark_ms": autoscaler.p99_mark_ms}

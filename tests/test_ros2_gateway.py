@@ -196,3 +196,43 @@ def test_up_prints_why_a_worker_exited(domain, tmp_path) -> None:
     assert out.returncode == 1
     restart = next(line for line in out.stderr.splitlines() if "restart 1/1" in line)
     assert "RobotUnavailable" in restart and "/nobody_here" in restart, restart
+
+
+@pytest.mark.timeout(120)
+def test_up_says_what_a_worker_that_has_not_registered_waits_for(domain, tmp_path) -> None:
+    """A robot that does not publish: the worker waits for it (up to ``connect_timeout_s``,
+    60 s) before it registers. ``loopgate up``'s own output says so within seconds, with
+    the worker's last log line (what it waits for), instead of only ``env_steps=0``."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    sets = [
+        "env.options.namespaces=[/nobody_here]",
+        "policy.kind=random",
+        "trainer.enabled=false",
+        "inference.enabled=false",
+        "replay.enabled=false",
+    ]
+    out = tmp_path / "up.log"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "up", "configs/reach_ros2.yaml", "--run-dir", str(tmp_path / "run"),
+             *[arg for s in sets for arg in ("--set", s)]],
+            cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        notice = wait_for(
+            lambda: next((ln for ln in out.read_text().splitlines() if "has not registered" in ln), None),
+            timeout=60,
+            what="loopgate up to say that worker-0 has not registered",
+        )
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "worker-0 has not registered with the gateway" in notice, notice
+    assert "waiting for the robot: nothing yet on ['/nobody_here/joint_states']" in notice, notice
+    assert proc.returncode == 130, out.read_text()[-3000:]

@@ -237,6 +237,8 @@ class Gateway:
             session = WorkerSession(uid=uid, route=route, num_envs=num_envs, last_seen=time.monotonic())
             self.sessions[uid] = session
         self.by_route[route] = uid
+        pid = meta.get("pid")
+        session.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
         log.info(
             "worker %s registered (%d envs%s)", uid, num_envs, ", resuming" if meta.get("resume") else ""
         )

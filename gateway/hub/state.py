@@ -118,6 +118,8 @@ class WorkerSession:
     last_seq: int = -1
     last_reply: Message | None = None
     client: bytes | None = None
+    pid: int | None = None
+    """The worker's process id, as its HELLO gave it (on its own host)."""
     env_steps: int = 0
     rtt_us: float = 0.0
     held: bool = False

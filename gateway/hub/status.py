@@ -50,6 +50,7 @@ def status_of(gw: Any) -> dict[str, Any]:
         "workers": [
             {
                 "uid": s.uid,
+                "pid": s.pid,
                 "num_envs": s.num_envs,
                 "env_steps": s.env_steps,
                 "rtt_us": round(s.rtt_us, 1),
