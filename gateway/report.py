@@ -51,12 +51,37 @@ def _by_service(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
     return out
 
 
-def _span(rows: list[dict[str, Any]], key: str) -> tuple[float, float]:
-    """(change of ``key``, seconds) between the first and the last record that have it."""
-    have = [r for r in rows if isinstance(r.get(key), (int, float))]
-    if len(have) < 2:
-        return 0.0, 0.0
-    return float(have[-1][key] - have[0][key]), float(have[-1]["t"] - have[0]["t"])
+def _number(r: dict[str, Any], key: str) -> bool:
+    return isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
+
+
+def _lifetimes(rows: list[dict[str, Any]], counters: tuple[str, ...]) -> list[list[dict[str, Any]]]:
+    """A service's records cut where a new process of it began: its ``uptime_s`` or one of
+    its ``counters`` went down. A restarted service counts from zero again (the gateway's
+    ``busy_s``; its ``env_steps`` go on from the spool), and a run folder continued by a
+    second ``loopgate up`` holds both runs' records."""
+    out: list[list[dict[str, Any]]] = []
+    prev: dict[str, Any] | None = None
+    for r in rows:
+        if prev is None or any(
+            _number(prev, k) and _number(r, k) and r[k] < prev[k] for k in ("uptime_s", *counters)
+        ):
+            out.append([])
+        out[-1].append(r)
+        prev = r
+    return out
+
+
+def _span(lifetimes: list[list[dict[str, Any]]], key: str) -> tuple[float, float]:
+    """(change of ``key``, seconds) from the first to the last record that has it, summed
+    over the service's lifetimes (the time between them, a restart, counts in neither)."""
+    change = seconds = 0.0
+    for rows in lifetimes:
+        have = [r for r in rows if _number(r, key)]
+        if len(have) >= 2:
+            change += float(have[-1][key] - have[0][key])
+            seconds += float(have[-1]["t"] - have[0]["t"])
+    return change, seconds
 
 
 def stages(run_dir: Path) -> tuple[list[Stage], dict[str, Any]]:
@@ -66,9 +91,10 @@ def stages(run_dir: Path) -> tuple[list[Stage], dict[str, Any]]:
     workers, num_envs = int(env.get("workers", 1)), int(env.get("num_envs", 1))
     services = _by_service(read_metrics(run_dir / "metrics.jsonl"))
     gateway = services.get("gateway", [])
-    steps, seconds = _span(gateway, "env_steps")
+    lives = _lifetimes(gateway, ("env_steps", "busy_s"))
+    steps, seconds = _span(lives, "env_steps")
     rate = steps / seconds if seconds else 0.0
-    busy, _ = _span(gateway, "busy_s")
+    busy, _ = _span(lives, "busy_s")
     hops = (gateway[-1].get("hops_us") if gateway else None) or {}
 
     def p50(hop: str) -> float:
@@ -97,11 +123,14 @@ def stages(run_dir: Path) -> tuple[list[Stage], dict[str, Any]]:
         ),
     ]
     for name in sorted(s for s in services if s.startswith("inference-")):
-        rows = services[name]
-        batches, t = _span(rows, "batches")
-        served, _ = _span(rows, "rows")
-        infer = [Histogram.from_dict(r["infer_us"]) for r in rows if "infer_us" in r]
-        compute_us = infer[-1].total - infer[0].total if len(infer) >= 2 else 0.0
+        rows = [
+            {**r, "compute_us": Histogram.from_dict(r["infer_us"]).total} if "infer_us" in r else r
+            for r in services[name]
+        ]
+        lives = _lifetimes(rows, ("batches", "rows"))
+        batches, t = _span(lives, "batches")
+        served, _ = _span(lives, "rows")
+        compute_us, _ = _span(lives, "compute_us")
         batch = served / batches if batches else 0.0
         out.append(
             Stage(
@@ -113,10 +142,8 @@ def stages(run_dir: Path) -> tuple[list[Stage], dict[str, Any]]:
                 f"batch {batch:.1f} rows on average",
             )
         )
-    replay = services.get("replay", [])
-    stored, t = _span(
-        [{**r, "ingest_steps": r.get("ingest", {}).get("steps")} for r in replay], "ingest_steps"
-    )
+    replay = [{**r, "ingest_steps": r.get("ingest", {}).get("steps")} for r in services.get("replay", [])]
+    stored, t = _span(_lifetimes(replay, ("ingest_steps",)), "ingest_steps")
     if replay:
         out.append(
             Stage("replay service", stored / t if t else 0.0, "steps/s", p50("sink_ack"), None, "sink ack")
@@ -258,15 +285,22 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s is not a run folder (no metrics.jsonl and config.yaml)", run)
         return 2
     found, facts = stages(run)
-    top = bottleneck(found)
-    model = predict(facts, found, workers=facts["workers"], num_envs=facts["num_envs"])
+    collected = facts["steps_per_s"] > 0
+    # Without steps there is no time to attribute: no stage limited anything.
+    top = bottleneck(found) if collected else None
+    model = predict(facts, found, workers=facts["workers"], num_envs=facts["num_envs"]) if collected else 0.0
     print(f"{'stage':32} {'throughput':>16} {'service p50':>12} {'busy':>6}  note")
     for s in found:
         busy = f"{100 * s.busy:5.0f}%" if s.busy is not None else "   n/a"
         print(f"{s.name:32} {s.throughput:10.1f} {s.unit:>5} {s.service_us:10.0f}µs {busy}  {s.note}")
-    if top is not None:
+    if not collected:
+        print("no env steps were collected while the run wrote its metrics: no bottleneck, no model")
+    elif top is not None:
         print(f"bottleneck: {top.name}: {100 * (top.busy or 0):.0f} % busy ({top.note})")
-    print(f"model: {model:.0f} steps/s predicted for this run's shape, {facts['steps_per_s']:.0f} measured")
+    if collected:
+        print(
+            f"model: {model:.0f} steps/s predicted for this run's shape, {facts['steps_per_s']:.0f} measured"
+        )
     report = {
         "stages": [asdict(s) for s in found],
         "bottleneck": top.name if top else None,
