@@ -205,6 +205,10 @@ class RunConfig:
     """Log level of every process."""
     status_interval_s: float = 0.5
     """Refresh period of the live status table and of ``metrics.jsonl``."""
+    start_notice_s: float = 10.0
+    """A worker that has not registered with the gateway this long after it started (a
+    robot that does not publish, a simulator still loading) is reported on the console with
+    its log's last line, and again as often (:class:`gateway.live.StartupWatch`)."""
     max_restarts: int = 5
     """Restarts of one crashed process before ``loopgate up`` gives up."""
     drain_timeout_s: float = 30.0
@@ -263,6 +267,8 @@ class RunConfig:
             raise ConfigError(f"run.status_interval_s must be > 0, got {self.status_interval_s}")
         if self.max_restarts < 0:
             raise ConfigError(f"run.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.start_notice_s <= 0:
+            raise ConfigError(f"run.start_notice_s must be > 0, got {self.start_notice_s}")
 
 
 def _is_loopback(host: str) -> bool:

@@ -107,11 +107,6 @@ class LiveView:
         return outer
 
 
-START_NOTICE_S = 10.0
-"""A worker that has not registered with the gateway this long after it started is
-reported, and again as often while it has not."""
-
-
 def last_line(path: Path, limit: int = 240) -> str:
     """The last non-empty line of a log file (``""`` if there is none), cut to ``limit``."""
     try:
@@ -131,13 +126,13 @@ class StartupWatch:
     Until its backend is up a worker does not register: a ROS 2 robot it waits for (up to
     ``connect_timeout_s``), a simulator that loads for minutes. Its own log says what it
     waits for; ``loopgate up``'s output said only ``env_steps=0``. A worker not registered
-    ``notice_s`` after it started is logged with its log's last line, again every
-    ``notice_s``, and :attr:`details` holds the same for the live table. Workers are
+    ``notice_s`` (``run.start_notice_s``) after it started is logged with its log's last
+    line, again every ``notice_s``, and :attr:`details` holds the same for the live table. Workers are
     matched to the gateway's sessions by process id; where the ids cannot match (workers
     on other hosts), only a shortfall in the number registered is reported.
     """
 
-    def __init__(self, logs: Path, notice_s: float = START_NOTICE_S) -> None:
+    def __init__(self, logs: Path, notice_s: float) -> None:
         self.logs, self.notice_s = logs, notice_s
         self._since: dict[tuple[str, int], float] = {}
         self._told: dict[str, float] = {}

@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sup.start_all(ready, should_stop=lambda: interrupted["n"] > 0)
         collect_start = time.monotonic()
-        watch = StartupWatch(run.run_dir / "logs")
+        watch = StartupWatch(run.run_dir / "logs", cfg.run.start_notice_s)
         with LiveView(cfg.name, cfg.run.max_env_steps) as view:
             while not sup.failed and not interrupted["n"]:
                 sup.supervise()

@@ -201,8 +201,9 @@ def test_up_prints_why_a_worker_exited(domain, tmp_path) -> None:
 @pytest.mark.timeout(120)
 def test_up_says_what_a_worker_that_has_not_registered_waits_for(domain, tmp_path) -> None:
     """A robot that does not publish: the worker waits for it (up to ``connect_timeout_s``,
-    60 s) before it registers. ``loopgate up``'s own output says so within seconds, with
-    the worker's last log line (what it waits for), instead of only ``env_steps=0``."""
+    60 s) before it registers. ``loopgate up``'s own output says so within seconds
+    (``run.start_notice_s``, 2 s here, 10 by default), with the worker's last log line
+    (what it waits for), instead of only ``env_steps=0``."""
     import subprocess
     import sys
 
@@ -214,6 +215,7 @@ def test_up_says_what_a_worker_that_has_not_registered_waits_for(domain, tmp_pat
         "trainer.enabled=false",
         "inference.enabled=false",
         "replay.enabled=false",
+        "run.start_notice_s=2",
     ]
     out = tmp_path / "up.log"
     with open(out, "wb") as sink:
@@ -223,10 +225,18 @@ def test_up_says_what_a_worker_that_has_not_registered_waits_for(domain, tmp_pat
             cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
+        # Told every 2 s; the worker says what it waits for every 5 s.
         notice = wait_for(
-            lambda: next((ln for ln in out.read_text().splitlines() if "has not registered" in ln), None),
+            lambda: next(
+                (
+                    ln
+                    for ln in out.read_text().splitlines()
+                    if "has not registered" in ln and "waiting for" in ln
+                ),
+                None,
+            ),
             timeout=60,
-            what="loopgate up to say that worker-0 has not registered",
+            what="loopgate up to say what worker-0, not registered, waits for",
         )
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
