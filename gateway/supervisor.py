@@ -568,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
                     final.update(
                         finalizer(cfg, control, run.run_dir, should_stop=lambda: interrupted["n"] > 0)
                     )
+            if interrupted["n"]:  # Ctrl-C during the final evaluation: it was skipped
+                outcome = "interrupted"
         status = drain(control, cfg, status, sup.supervise)
     finally:
         sup.stop(timeout_s=cfg.run.drain_timeout_s)

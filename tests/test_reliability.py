@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import yaml
 from gateway.client import GatewayVectorEnv
 from gateway.priority import session_niceness
 from gateway.protocol import RunEnded
-from tests.conftest import time_left, wait_for
+from tests.conftest import REPO, time_left, wait_for
 from tests.test_trainer_e2e import up
 
 
@@ -320,6 +321,45 @@ def test_the_first_sigint_stops_a_training_run_gracefully_and_writes_the_summary
     checkpoint = json.loads((run / "checkpoints" / "latest").read_text())
     assert summary["policy_version"] == checkpoint["version"] == trainer_records(run)[-1]["version"]
     assert not run_processes(run)
+
+
+@pytest.mark.e2e
+def test_ctrl_c_during_the_final_evaluation_ends_the_run_as_interrupted(tmp_path):
+    """The trainer is done and ``loopgate up`` runs the final evaluation (here 10 000
+    episodes, far more than the wait allows) when Ctrl-C comes: the evaluation is skipped,
+    and the run ends as interrupted (exit status 130), not as completed with no
+    evaluation in its summary."""
+    from tests.test_trainer_e2e import config
+
+    run = tmp_path / "run"
+    path = config(tmp_path, max_updates=5, eval_every=0, final_eval_episodes=10_000)
+    out = tmp_path / "up.log"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "up", str(path), "--run-dir", str(run)],
+            cwd=REPO,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(
+            lambda: "final evaluation: waiting for 10000 evaluation episodes" in out.read_text(),
+            timeout=240,
+            interval=0.2,
+            what="the final evaluation to begin",
+        )
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=time_left())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    summary = json.loads((run / "summary.json").read_text())
+    text = out.read_text()
+    assert proc.returncode == 130 and summary["outcome"] == "interrupted", text[-3000:]
+    assert "final evaluation skipped: interrupted" in text, text[-3000:]
+    assert "eval_episodes" not in summary or not summary["eval_episodes"], summary
+    assert summary["stored_steps"] == summary["acked_steps"] > 0 and summary["lost_steps"] == 0
 
 
 @pytest.mark.integration
