@@ -229,6 +229,9 @@ def test_ctrl_c_while_a_command_is_still_importing_ends_it_with_one_line(tmp_pat
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # As in a terminal's foreground: a background job (CI's runner may be one) starts
+        # with SIGINT ignored, and its children with it, where Ctrl-C never reaches them.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         wait_for(marker.exists, timeout=30, what="the command's import to begin")
