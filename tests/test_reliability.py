@@ -332,7 +332,10 @@ def test_ctrl_c_during_the_final_evaluation_ends_the_run_as_interrupted(tmp_path
     from tests.test_trainer_e2e import config
 
     run = tmp_path / "run"
-    path = config(tmp_path, max_updates=5, eval_every=0, final_eval_episodes=10_000)
+    path = config(tmp_path, max_updates=1, nproc=1, eval_every=0, final_eval_episodes=10_000)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["replay"]["tables"][0]["min_size_to_sample"] = 64
+    path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "up.log"
     with open(out, "wb") as sink:
         proc = subprocess.Popen(
