@@ -370,6 +370,10 @@ def from_dict(
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """Read, override and validate the YAML experiment config at ``path``."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"config file {str(path)!r} is a folder; give a YAML file (e.g. configs/reach_sim.yaml)"
+        )
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:

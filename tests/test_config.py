@@ -92,6 +92,8 @@ def test_bad_override_syntax_is_explained():
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="is a folder; give a YAML file"):
+        load_config(tmp_path)  # said "does not exist" of a folder that does
     bad = tmp_path / "bad.yaml"
     bad.write_text("env: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
