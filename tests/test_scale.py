@@ -135,3 +135,74 @@ def test_workers_join_and_leave_a_live_run_and_every_step_is_counted_once(engine
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
     gateway_log = (run / "logs" / "gateway.log").read_text()
     assert gateway_log.count("said goodbye") >= 2, gateway_log[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_scale_refuses_an_ended_run_at_once_and_a_continued_one_is_served(tmp_path):
+    """A run whose ``loopgate up`` has ended is refused at once (it waited out its whole
+    timeout, 60 s, for an answer that could not come); once the folder is continued by a
+    new ``loopgate up``, the same request is served."""
+    cfg = {
+        "env": {"backend": "mujoco_reach", "workers": 1, "num_envs": 2, "seed": 5},
+        "policy": {"kind": "reach_pd"},
+    }
+    config = tmp_path / "collect.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "run"
+    done = loopgate("up", str(config), "--run-dir", str(run), "--max-env-steps", "200", timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused = loopgate("scale", str(run), "env.workers=2", "--timeout", "60", timeout=20)
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert "has ended" in refused.stderr and "no loopgate up serves it" in refused.stderr
+    assert not (run / "requests").exists()  # no request left to apply later
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "up",
+            str(config),
+            "--run-dir",
+            str(run),
+            "--max-env-steps",
+            "10000000",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        ended_at = json.loads((run / "summary.json").read_text())["env_steps"]
+        wait_for(lambda: env_steps(run) > ended_at, timeout=60, what="the continued run to collect")
+        assert scale(run, 2)["started"] == ["worker-1"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=time_left())
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_scale_withdraws_its_request(tmp_path):
+    """Ctrl-C while ``loopgate scale`` waits (here for a ``loopgate up`` killed outright,
+    which left endpoints.json and no summary.json): its request is withdrawn, so that no
+    later ``loopgate up`` on the folder applies it by surprise."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "endpoints.json").write_text("{}")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "scale", str(run), "env.workers=3"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )
+    try:
+        wait_for(lambda: list((run / "requests").glob("scale-*.json")), timeout=30, what="the scale request")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert "the request is withdrawn" in out, out[-3000:]
+    assert list((run / "requests").iterdir()) == []

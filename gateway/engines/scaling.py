@@ -16,8 +16,10 @@ its engine) through the run folder itself, and waits for its answer:
    appends it to ``metrics.jsonl`` (``{"scale": {...}}``); the status table shows the new
    set of workers.
 
-A request nobody claims within ``--timeout`` (no ``loopgate up`` on that folder) is
-withdrawn and the command fails; nothing is applied later by surprise.
+A request nobody claims within ``--timeout`` (no ``loopgate up`` on that folder), or
+whose command is interrupted (Ctrl-C) before it is claimed, is withdrawn and the command
+fails; nothing is applied later by surprise. A run that has ended (its ``summary.json``
+written after its last start) is refused at once.
 """
 
 from __future__ import annotations
@@ -141,10 +143,21 @@ def scale_workers(sup: Any, cfg: ExperimentConfig, run: Any, workers: int) -> di
 # -------------------------------------------------------------------- the command
 
 
+class NotServed(Exception):
+    """No ``loopgate up`` serves the run folder: the run has ended."""
+
+
 def request_scale(run_dir: Path, key: str, value: int, timeout_s: float) -> dict[str, Any]:
     """Hand a scale request to the run's ``loopgate up`` and wait for its outcome."""
-    if not (run_dir / "endpoints.json").exists():
+    endpoints, summary = run_dir / "endpoints.json", run_dir / "summary.json"
+    if not endpoints.exists():
         raise ConfigError(f"{run_dir} is not a run folder (no endpoints.json)")
+    # ``loopgate up`` writes endpoints.json as it starts and summary.json as it ends.
+    if summary.exists() and summary.stat().st_mtime >= endpoints.stat().st_mtime:
+        raise NotServed(
+            f"the run in {run_dir} has ended (its summary.json was written after its last start): "
+            "no loopgate up serves it; `loopgate up CONFIG --run-dir RUN` continues it"
+        )
     folder = run_dir / REQUESTS
     folder.mkdir(exist_ok=True)
     stem = f"scale-{time.time_ns()}-{os.getpid()}"
@@ -155,11 +168,19 @@ def request_scale(run_dir: Path, key: str, value: int, timeout_s: float) -> dict
     done = folder / f"{stem}.done.json"
     deadline = time.monotonic() + timeout_s
     log.info("waiting up to %.0f s for the run's loopgate up to apply %s=%d", timeout_s, key, value)
-    while time.monotonic() < deadline:
-        if done.exists():
-            outcome: dict[str, Any] = json.loads(done.read_text())
-            return outcome
-        time.sleep(0.1)
+    try:
+        while time.monotonic() < deadline:
+            if done.exists():
+                outcome: dict[str, Any] = json.loads(done.read_text())
+                return outcome
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        try:
+            path.unlink()
+            log.warning("interrupted: the request is withdrawn, nothing changes")
+        except FileNotFoundError:
+            log.warning("interrupted: loopgate up had already taken the request; it applies it")
+        raise
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # withdrawn: never applied later by surprise
         raise TimeoutError(f"no loopgate up answered within {timeout_s:.0f} s: is one running on {run_dir}?")
@@ -194,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    except TimeoutError as exc:
+    except (TimeoutError, NotServed) as exc:
         log.error("%s", exc)
         return 1
     print(json.dumps(outcome))
