@@ -260,3 +260,19 @@ def test_the_event_loop_estop_answers_from_a_real_control_socket_and_times_out_w
         asyncio.run(link.estop_async(True, "nobody there", timeout_s=0.3))
     link._status_client.close()
     link._stop_client.close()
+
+
+def test_the_console_takes_its_run_folder_as_the_other_commands_do(tmp_path: Path) -> None:
+    """``loopgate console RUN``, as ``loopgate report RUN`` and ``loopgate scale RUN`` take
+    it (the positional folder was refused as an unrecognised argument), or ``--run-dir``."""
+    from tests.conftest import loopgate
+
+    missing = tmp_path / "no-such-run"
+    for args in ([str(missing)], ["--run-dir", str(missing)]):
+        out = loopgate("console", *args, timeout=60)
+        assert out.returncode == 2, out.stderr
+        assert "cannot start the console" in out.stderr and str(missing) in out.stderr, out.stderr
+    both = loopgate("console", str(missing), "--run-dir", str(tmp_path), timeout=60)
+    assert both.returncode == 2 and "two run folders given" in both.stderr, both.stderr
+    neither = loopgate("console", timeout=60)
+    assert neither.returncode == 2 and "give the run folder" in neither.stderr, neither.stderr

@@ -36,10 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loopgate console",
         description="Serve the web console of a running experiment.",
-        epilog="example: loopgate console --run-dir runs/reach_sim-20260101-120000",
+        epilog="example: loopgate console runs/reach_sim-20260101-120000   (or --run-dir RUN)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--run-dir", help="the run folder (config.yaml, endpoints.json)")
+    # The run folder as the other commands take it (report, scale, export), or --run-dir.
+    p.add_argument("run", nargs="?", help="the run folder (config.yaml, endpoints.json)")
+    p.add_argument("--run-dir", help="the same, as an option")
     p.add_argument("--config", help="experiment config (default: RUN/config.yaml)")
     p.add_argument("--host", help="interface to bind (default: console.host)")
     p.add_argument("--port", type=int, help="TCP port (default: console.port)")
@@ -57,10 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         token = getpass.getpass("token: ") if sys.stdin.isatty() else sys.stdin.readline().strip()
         print(hash_token(token))
         return 0
-    if not args.run_dir:
-        print("loopgate console: --run-dir is required", file=sys.stderr)
+    if args.run and args.run_dir and Path(args.run) != Path(args.run_dir):
+        print(
+            f"loopgate console: two run folders given ({args.run}, --run-dir {args.run_dir})", file=sys.stderr
+        )
         return 2
-    run_dir = Path(args.run_dir)
+    if not (args.run or args.run_dir):
+        print("loopgate console: give the run folder (loopgate console RUN)", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run or args.run_dir)
     try:
         cfg = load_config(args.config or run_dir / "config.yaml")
         console_cfg: ConsoleConfig = cfg.console
