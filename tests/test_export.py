@@ -356,6 +356,23 @@ def test_episode_stats_match_lerobots_own_on_the_reference_frames():
             assert mine["count"].tolist() == ref["count"].tolist() == [row["length"]]
 
 
+def test_constant_columns_at_a_large_magnitude_have_their_value_as_every_quantile():
+    """An episode's ``episode_index`` (or ``index``) column is constant, and from 256 on its
+    padded span (2e-10) holds fewer than 5000 representable steps: numpy refused the
+    histogram ("Too many bins for data range") and the export of any run of more than
+    256 episodes failed. The edges are laid out as LeRobot lays them out."""
+    from trainer.replay.export_stats import feature_stats
+
+    for value in (255, 256, 9_375, 468_255, 2.0**40):
+        stats = feature_stats(np.full(50, value, np.int64))
+        for name in ("min", "max", "mean", "q01", "q10", "q50", "q90", "q99"):
+            assert np.allclose(stats[name], value, rtol=1e-12, atol=1e-9), (value, name, stats[name])
+    # A varying column keeps its quantiles, whatever the magnitude.
+    ramp = 1e6 + np.arange(1001, dtype=np.float64)
+    stats = feature_stats(ramp)
+    assert abs(stats["q50"][0] - 1e6 - 500) <= 0.5 and abs(stats["q99"][0] - 1e6 - 990) <= 0.5
+
+
 def test_image_stats_sample_long_episodes_and_large_frames_as_lerobot_does():
     from trainer.replay.export_stats import image_stats, sample_frame_indices
 

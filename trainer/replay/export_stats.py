@@ -77,8 +77,12 @@ def _rows_stats(rows: np.ndarray, count: int) -> Stats:
         return stats
     quantiles = {key: np.empty(rows.shape[1]) for key in QUANTILES}
     for j in range(rows.shape[1]):
-        span = (stats["min"][j] - EDGE_PAD, stats["max"][j] + EDGE_PAD)
-        hist, edges = np.histogram(rows[:, j], bins=HISTOGRAM_BINS, range=span)
+        # The edges as LeRobot lays them out, passed as an array: at a large magnitude the
+        # padded span can be narrower than 5000 representable steps (an episode's constant
+        # episode_index of 256 or more), where numpy refuses ``bins=5000, range=span``
+        # ("Too many bins for data range") but takes repeated edges.
+        edges = np.linspace(stats["min"][j] - EDGE_PAD, stats["max"][j] + EDGE_PAD, HISTOGRAM_BINS + 1)
+        hist, _ = np.histogram(rows[:, j], bins=edges)
         cumulative = np.cumsum(hist)
         for key, q in QUANTILES.items():
             quantiles[key][j] = _quantile(cumulative, edges, q * len(rows))
