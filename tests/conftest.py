@@ -51,6 +51,36 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def sigint_at_default() -> None:
+    """A ``preexec_fn``: the child starts with SIGINT at its default, as in a terminal's
+    foreground. A background job (a CI runner may be one) starts with SIGINT ignored, and
+    its children with it, where Ctrl-C never reaches a command that sets no handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def interrupt_when(
+    proc: subprocess.Popen[Any],
+    ready: Callable[[], Any],
+    *,
+    what: str,
+    timeout: float,
+    within: float | None = None,
+    interval: float = 0.05,
+) -> Any:
+    """Ctrl-C to ``proc`` once ``ready()`` (waited for up to ``timeout`` s); its output (None
+    unless piped), once it ended within ``within`` s (default: the test's time left). It is
+    killed if anything fails."""
+    try:
+        wait_for(ready, timeout=timeout, interval=interval, what=what)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=time_left() if within is None else within)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    return out
+
+
 def loopgate(
     *args: str, timeout: float = 180, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gateway.metrics import read_metrics
-from tests.conftest import REPO, loopgate, wait_for
+from tests.conftest import REPO, interrupt_when, loopgate, sigint_at_default, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -107,20 +107,16 @@ def test_up_restarts_a_crashed_worker_and_loses_nothing(tmp_path):
 def test_ctrl_c_drains_and_still_writes_a_summary(tmp_path):
     run = tmp_path / "run"
     proc = up_collect_pd(run, "--set", "run.max_env_steps=null")
-    try:
-        wait_for(
-            lambda: (
-                (run / "metrics.jsonl").exists()
-                and any(r.get("env_steps", 0) > 500 for r in read_metrics(run / "metrics.jsonl"))
-            ),
-            timeout=60,
-            what="collection",
-        )
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out = interrupt_when(
+        proc,
+        lambda: (
+            (run / "metrics.jsonl").exists()
+            and any(r.get("env_steps", 0) > 500 for r in read_metrics(run / "metrics.jsonl"))
+        ),
+        what="collection",
+        timeout=60,
+        within=60,
+    )
     assert proc.returncode == 130, out[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["outcome"] == "interrupted"
@@ -178,14 +174,8 @@ def test_ctrl_c_while_the_env_is_built_for_its_spec_ends_the_command_at_once(tmp
         extra = ["--set", f"env.python={python}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     proc = up_collect_pd(tmp_path / "run", *extra, env=env)
-    try:
-        wait_for(marker.exists, timeout=60, what="the env's build to begin")
-        builder = int(marker.read_text()) if where == "env_python" else None
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out = interrupt_when(proc, marker.exists, what="the env's build to begin", timeout=60, within=30)
+    builder = int(marker.read_text()) if where == "env_python" else None
     assert proc.returncode == 130, out[-3000:]
     assert "interrupted while preparing the run: no service was started" in out, out[-3000:]
     assert "invalid config" not in out and "Traceback" not in out, out[-3000:]
@@ -229,17 +219,9 @@ def test_ctrl_c_while_a_command_is_still_importing_ends_it_with_one_line(tmp_pat
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        # As in a terminal's foreground: a background job (CI's runner may be one) starts
-        # with SIGINT ignored, and its children with it, where Ctrl-C never reaches them.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=sigint_at_default,  # the command sets no handler of its own yet
     )
-    try:
-        wait_for(marker.exists, timeout=30, what="the command's import to begin")
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out = interrupt_when(proc, marker.exists, what="the command's import to begin", timeout=30, within=20)
     assert proc.returncode == 130, out[-3000:]
     assert out.strip() == "loopgate slow: interrupted", out[-3000:]
 

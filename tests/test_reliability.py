@@ -23,7 +23,7 @@ import yaml
 from gateway.client import GatewayVectorEnv
 from gateway.priority import session_niceness
 from gateway.protocol import RunEnded
-from tests.conftest import REPO, time_left, wait_for
+from tests.conftest import REPO, interrupt_when, time_left, wait_for
 from tests.test_trainer_e2e import up
 
 
@@ -344,19 +344,13 @@ def test_ctrl_c_during_the_final_evaluation_ends_the_run_as_interrupted(tmp_path
             stdout=sink,
             stderr=subprocess.STDOUT,
         )
-    try:
-        wait_for(
-            lambda: "final evaluation: waiting for 10000 evaluation episodes" in out.read_text(),
-            timeout=240,
-            interval=0.2,
-            what="the final evaluation to begin",
-        )
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=time_left())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+    interrupt_when(
+        proc,
+        lambda: "final evaluation: waiting for 10000 evaluation episodes" in out.read_text(),
+        what="the final evaluation to begin",
+        timeout=240,
+        interval=0.2,
+    )
     summary = json.loads((run / "summary.json").read_text())
     text = out.read_text()
     assert proc.returncode == 130 and summary["outcome"] == "interrupted", text[-3000:]

@@ -22,7 +22,8 @@ import pytest
 import yaml
 
 from gateway.metrics import read_metrics
-from tests.conftest import REPO, loopgate, time_left, wait_for
+from tests.conftest import REPO, interrupt_when, loopgate, sigint_at_default, time_left, wait_for
+from tests.test_trainer_e2e import up
 
 pytestmark = pytest.mark.e2e
 
@@ -155,29 +156,14 @@ def test_scale_refuses_an_ended_run_at_once_and_a_continued_one_is_served(tmp_pa
     assert refused.returncode == 1, refused.stderr[-3000:]
     assert "has ended" in refused.stderr and "no loopgate up serves it" in refused.stderr
     assert not (run / "requests").exists()  # no request left to apply later
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway",
-            "up",
-            str(config),
-            "--run-dir",
-            str(run),
-            "--max-env-steps",
-            "10000000",
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = up(config, run, "--max-env-steps", "10000000")
     try:
         ended_at = json.loads((run / "summary.json").read_text())["env_steps"]
         wait_for(lambda: env_steps(run) > ended_at, timeout=60, what="the continued run to collect")
         assert scale(run, 2)["started"] == ["worker-1"]
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=time_left())
+        proc.communicate(timeout=time_left())
 
 
 @pytest.mark.timeout(60)
@@ -194,15 +180,15 @@ def test_an_interrupted_scale_withdraws_its_request(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+        preexec_fn=sigint_at_default,
     )
-    try:
-        wait_for(lambda: list((run / "requests").glob("scale-*.json")), timeout=30, what="the scale request")
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out = interrupt_when(
+        proc,
+        lambda: list((run / "requests").glob("scale-*.json")),
+        what="the scale request",
+        timeout=30,
+        within=20,
+    )
     assert proc.returncode == 130, out[-3000:]
     assert "the request is withdrawn" in out, out[-3000:]
     assert list((run / "requests").iterdir()) == []
