@@ -36,6 +36,18 @@ POLL_S = 0.5
 GRACE_S = 15.0
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (another user's counts): files named
+    after a process that is gone (a shared-memory segment, an export's partial) are stale."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     """Ask the kernel for ``sig`` when the parent dies (safe to use as ``preexec_fn``);
     whether it took (Linux only)."""

@@ -295,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s.name:32} {s.throughput:10.1f} {s.unit:>5} {s.service_us:10.0f}µs {busy}  {s.note}")
     if not collected:
         print("no env steps were collected while the run wrote its metrics: no bottleneck, no model")
-    elif top is not None:
-        print(f"bottleneck: {top.name}: {100 * (top.busy or 0):.0f} % busy ({top.note})")
-    if collected:
+    else:
+        if top is not None:
+            print(f"bottleneck: {top.name}: {100 * (top.busy or 0):.0f} % busy ({top.note})")
         print(
             f"model: {model:.0f} steps/s predicted for this run's shape, {facts['steps_per_s']:.0f} measured"
         )

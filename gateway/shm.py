@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.lifeline import pid_alive
 from gateway.protocol import ErrorCode, Message, ProtocolError
 from gateway.protocol.codec import ALLOWED_DTYPES, MAX_NDIM
 
@@ -75,16 +76,6 @@ def available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale(directory: Path = SHM_DIR) -> list[str]:
     """Unlink segments whose creating process is gone; return their names."""
     removed: list[str] = []
@@ -92,7 +83,7 @@ def sweep_stale(directory: Path = SHM_DIR) -> list[str]:
         return removed
     for path in directory.glob(f"{PREFIX}*"):
         pid_text = path.name[len(PREFIX) :].partition("-")[0]
-        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+        if not pid_text.isdigit() or pid_alive(int(pid_text)):
             continue
         with contextlib.suppress(FileNotFoundError):
             path.unlink()

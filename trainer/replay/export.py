@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from gateway.lifeline import pid_alive
 from gateway.trajectory import Episode, assemble_episodes
 from trainer.replay.export_mcap import ProgressFn
 from trainer.replay.log import run_chunks
@@ -67,16 +68,6 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def sweep_leftovers(target: Path) -> None:
     """Clear what an export to ``target`` killed outright (SIGKILL, power loss) left beside
     it: its partial is removed; a previous export it had swapped out but not yet replaced
@@ -89,7 +80,7 @@ def sweep_leftovers(target: Path) -> None:
         (m.group(1), int(m.group(2)), p) for p in target.parent.iterdir() if (m := pattern.fullmatch(p.name))
     ]
     for kind, pid, path in sorted(found, key=lambda f: f[0] != "old"):  # swapped-out ones first
-        if pid == os.getpid() or _alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         if kind == "old" and not (target.exists() or target.is_symlink()):
             log.warning(
