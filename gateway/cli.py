@@ -8,9 +8,11 @@ Every subcommand is also ``python -m <module>``.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from gateway import __version__
+from gateway.registry import find_modules_in_start_folder
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("gateway.supervisor:main", "start and supervise every process of an experiment"),
@@ -54,6 +56,16 @@ def usage() -> str:
     return USAGE.format(commands="\n".join(lines))
 
 
+def _own_packages_first() -> None:
+    """``python -m gateway.cli`` starts with the current folder first on the import path,
+    where a researcher's ``trainer.py`` would hide loopgate's ``trainer``: take it off, and
+    find a config's own modules there as ``loopgate`` (the installed command) does, after
+    every package (:func:`gateway.registry.find_modules_in_start_folder`)."""
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+        find_modules_in_start_folder()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -66,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"loopgate: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    _own_packages_first()
     target, _ = COMMANDS[name]
     module_name, _, func = target.partition(":")
     try:

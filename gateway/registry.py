@@ -7,6 +7,12 @@ asks for them, through :func:`resolve`. Adding a backend is one line in one dict
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 BACKENDS: dict[str, str] = {
@@ -91,6 +97,49 @@ INSTALL_HINTS: dict[str, str] = {
     "set env.python: .venv-mjlab/bin/python (see docs/isaac.md)",
 }
 """What to install for a package a backend needs, by its import name."""
+
+
+class _StartFolder(importlib.abc.MetaPathFinder):
+    """Finds top-level modules in one folder, asked after every other finder."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if path is not None:  # a submodule: its package's own path finds it
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, [self.folder])
+
+
+def find_modules_in_start_folder() -> None:
+    """Let imports find modules in the folder loopgate was started in, as a script there
+    would, but after loopgate's own packages and every installed one: a researcher's
+    ``trainer.py`` or ``networks.py`` there never hides loopgate's packages of that name.
+    (A folder on ``sys.path`` cannot promise that: an editable install's packages are
+    found by a finder asked after every ``sys.path`` entry.)"""
+    here = os.getcwd()
+    if not any(isinstance(f, _StartFolder) and f.folder == here for f in sys.meta_path):
+        sys.meta_path.append(_StartFolder(here))
+
+
+def import_user_module(name: str) -> ModuleType:
+    """Import a module a config names (``env.options.id: mymodule:MyEnv-v0``): installed,
+    or in the folder loopgate was started in (:func:`find_modules_in_start_folder`)."""
+    find_modules_in_start_folder()
+    return importlib.import_module(name)
+
+
+def user_module_missing(name: str, exc: ImportError) -> str:
+    """One line for ``import_user_module(name)`` that failed with ``exc``: the module
+    itself is nowhere to be found, or something it imports is missing."""
+    if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+        return (
+            f"no module {name!r} among the installed packages or in {os.getcwd()} (the folder "
+            "loopgate was started in); start loopgate in the folder that holds it, or install it"
+        )
+    return missing_package(exc)
 
 
 def missing_package(exc: ImportError) -> str:

@@ -51,6 +51,15 @@ class Service:
     """It writes ``metrics.jsonl`` records under its name, and serves them at ``/metrics``
     (the URL ``loopgate up`` gives it in ``endpoints.json["metrics"]``)."""
 
+    def __post_init__(self) -> None:
+        # ``python -m`` puts the folder it starts in first on the import path: a
+        # researcher's own ``trainer.py`` or ``networks.py`` there would hide loopgate's
+        # packages of that name. Python 3.11+ leaves it off (3.10 ignores the variable);
+        # a module a config names from that folder is still found, after every package
+        # (:func:`gateway.registry.find_modules_in_start_folder`). Children inherit it:
+        # torchrun's ranks too.
+        self.env.setdefault("PYTHONSAFEPATH", "1")
+
 
 TORCHRUN_MODULES = ("trainer.torchrun", "torch.distributed.run")
 """Modules that run torchrun: loopgate's wrapper (what ``loopgate up`` starts) and torch's own."""

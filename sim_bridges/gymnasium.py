@@ -43,6 +43,7 @@ from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 
 from gateway.episode import ActionSpec, ArraySpec, EnvSpec, EpisodeBackend, Info, Obs, StepResult
 from gateway.episode import AutoresetMode as LoopgateAutoreset
+from gateway.registry import import_user_module, missing_package, user_module_missing
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +59,13 @@ def find_env_spec(env_id: str) -> gymnasium.envs.registration.EnvSpec:
     namespace = name.split("/")[0] if "/" in name else None
     try:
         if module:
-            importlib.import_module(module)
+            import_user_module(module)
         elif namespace in _NAMESPACE_MODULES:
             importlib.import_module(_NAMESPACE_MODULES[namespace])
         return gymnasium.spec(name)
     except ImportError as exc:
-        from gateway.registry import missing_package
-
-        raise ValueError(f"env.options.id {env_id!r} cannot be imported: {missing_package(exc)}") from exc
+        why = user_module_missing(module, exc) if module else missing_package(exc)
+        raise ValueError(f"env.options.id {env_id!r} cannot be imported: {why}") from exc
     except gymnasium.error.Error as exc:
         raise ValueError(f"env.options.id: unknown Gymnasium id {env_id!r}: {exc}") from exc
 

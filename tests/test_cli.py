@@ -242,6 +242,80 @@ def test_invalid_config_fails_before_anything_starts(tmp_path, args, message):
     assert not (tmp_path / "run" / "logs").exists()
 
 
+USER_ENV = """
+import gymnasium as gym
+import numpy as np
+
+
+class Thing(gym.Env):
+    metadata = {"render_fps": 50}
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float64)
+    action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.np_random.uniform(-1, 1, 3), {}
+
+    def step(self, action):
+        return self.np_random.uniform(-1, 1, 3), float(action.sum()), False, False, {}
+
+
+gym.register("Thing-v0", entry_point=Thing, max_episode_steps=20)
+"""
+
+
+@pytest.mark.parametrize("command", ["loopgate", "python -m gateway.cli"])
+def test_up_in_a_project_folder_finds_its_env_and_is_not_hidden_by_its_files(tmp_path, command):
+    """A researcher's own folder: their env module, and scripts named like loopgate's
+    packages (``trainer.py``, ``networks.py``, ...), which once hid those packages from
+    every service (``python -m`` puts the folder it starts in first on the import path)
+    and from ``python -m gateway.cli`` itself."""
+    for name in ("trainer", "inference", "networks", "robots", "sim_bridges", "benchmarks"):
+        (tmp_path / f"{name}.py").write_text(f"raise SystemExit('the folder hid loopgate: {name}.py')\n")
+    (tmp_path / "myenvs.py").write_text(USER_ENV)
+    (tmp_path / "thing.yaml").write_text(
+        "env: {backend: gymnasium, num_envs: 2, options: {id: 'myenvs:Thing-v0'}}\n"
+        "policy: {kind: random}\n"
+        "replay: {}\n"  # its service is trainer.replay, the gateway's sink trainer.replay.sink
+        "run: {max_env_steps: 400}\n"
+    )
+    argv = (
+        [str(Path(sys.executable).parent / "loopgate")]
+        if command == "loopgate"
+        else [sys.executable, "-m", "gateway.cli"]
+    )
+    out = subprocess.run(
+        [*argv, "up", "thing.yaml", "--run-dir", "run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*.log"))
+    assert "the folder hid loopgate" not in out.stdout + out.stderr + logs
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["outcome"] == "completed" and summary["env_steps"] >= 400, summary
+    assert summary["stored_steps"] == summary["acked_steps"] == summary["env_steps"], summary
+    assert summary["lost_steps"] == 0, summary
+
+
+def test_an_env_module_nowhere_to_be_found_is_refused_saying_where_it_was_looked_for(tmp_path):
+    (tmp_path / "thing.yaml").write_text("env: {backend: gymnasium, options: {id: 'myenvs:Thing-v0'}}\n")
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "loopgate"), "up", "thing.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert (
+        f"env.options.id 'myenvs:Thing-v0' cannot be imported: no module 'myenvs' among the installed "
+        f"packages or in {tmp_path} (the folder loopgate was started in)"
+    ) in out.stderr
+
+
 def test_help_shows_runnable_examples():
     out = loopgate("--help")
     assert out.returncode == 0 and "loopgate up configs/reach_sim.yaml" in out.stdout

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import gymnasium
@@ -131,7 +134,8 @@ def test_registered_env_with_a_tuple_observation_is_refused_by_name() -> None:
         ({"id": "CartPol-v1"}, r"env.options.id: unknown Gymnasium id 'CartPol-v1'.*CartPole"),
         (
             {"id": "no_such_module:Foo-v0"},
-            r"env.options.id 'no_such_module:Foo-v0' cannot be imported: missing Python package 'no_such_module'",
+            r"env.options.id 'no_such_module:Foo-v0' cannot be imported: no module 'no_such_module' "
+            r"among the installed packages or in .* \(the folder loopgate was started in\)",
         ),
         ({"id": "CartPole-v1", "vectorization": "threads"}, r"env.options.vectorization"),
         ({"id": "CartPole-v1", "max_episode_steps": 0}, r"env.options.max_episode_steps"),
@@ -141,6 +145,60 @@ def test_registered_env_with_a_tuple_observation_is_refused_by_name() -> None:
 def test_bad_options_are_refused_naming_the_field(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         gym_backend(**options)
+
+
+USER_ENV = """
+import gymnasium as gym
+import numpy as np
+
+from loopgate_user_helpers import BOUND  # a sibling module of the user's, found the same way
+
+
+class Thing(gym.Env):
+    metadata = {"render_fps": 50}
+    observation_space = gym.spaces.Box(-BOUND, BOUND, (3,), np.float64)
+    action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3), {}
+
+    def step(self, action):
+        return np.zeros(3), 0.0, False, False, {}
+
+
+gym.register("LoopgateUserThing-v0", entry_point=Thing, max_episode_steps=10)
+"""
+
+
+@pytest.fixture
+def start_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """``tmp_path`` as the folder loopgate was started in; the user's modules and env ids
+    it registers are forgotten afterwards."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    yield tmp_path
+    for name in ("loopgate_user_envs", "loopgate_user_helpers", "loopgate_user_broken"):
+        sys.modules.pop(name, None)
+    gymnasium.registry.pop("LoopgateUserThing-v0", None)
+
+
+@pytest.mark.unit
+def test_an_env_module_in_the_start_folder_is_found_after_every_package(start_folder: Path) -> None:
+    """As a script in that folder would find it (with its sibling modules)."""
+    (start_folder / "loopgate_user_envs.py").write_text(USER_ENV)
+    (start_folder / "loopgate_user_helpers.py").write_text("BOUND = 2.0\n")
+    with gym_backend(id="loopgate_user_envs:LoopgateUserThing-v0") as backend:
+        assert backend.spec.observation == {"obs": ArraySpec(dtype="float64", shape=(3,))}
+        backend.reset(seed=0)
+    assert sys.modules["loopgate_user_envs"].__file__ == str(start_folder / "loopgate_user_envs.py")
+
+
+@pytest.mark.unit
+def test_an_env_module_that_imports_a_missing_package_names_that_package(start_folder: Path) -> None:
+    (start_folder / "loopgate_user_broken.py").write_text("import loopgate_not_installed_anywhere\n")
+    with pytest.raises(ConfigError, match=r"missing Python package 'loopgate_not_installed_anywhere'"):
+        gym_backend(id="loopgate_user_broken:Foo-v0")
 
 
 class BareEnv(gymnasium.Env[np.ndarray, np.ndarray]):
