@@ -234,6 +234,11 @@ class Supervisor:
                         f"{s.name} exited with {code} after {proc.restarts} restart(s): {self.tail(s.name)}"
                     )
 
+    def given_up(self, name: str) -> bool:
+        """Whether service ``name`` failed for good here: it will not be started again."""
+        proc = self.procs.get(name)
+        return proc is not None and proc.state == "failed"
+
     def reason(self, name: str) -> str:
         """Why a service ended, from its log: the last exception or error line."""
         path = self.logs / f"{name}.log"
@@ -570,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
             if interrupted["n"]:  # Ctrl-C during the final evaluation: it was skipped
                 outcome = "interrupted"
-        status = drain(control, cfg, status, sup.supervise)
+        status = drain(control, cfg, status, sup.supervise, lambda: sup.given_up("gateway"))
     finally:
         sup.stop(timeout_s=cfg.run.drain_timeout_s)
         control.close()
@@ -587,17 +592,24 @@ def drain(
     cfg: ExperimentConfig,
     status: dict[str, Any],
     supervise: Callable[[], None] = lambda: None,
+    given_up: Callable[[], bool] = lambda: False,
 ) -> dict[str, Any]:
     """Pause collection and flush the gateway; return its final status.
 
     A gateway that died or is restarting when the run stops (a crash just before Ctrl-C)
     is waited for, up to ``run.drain_timeout_s``, while ``supervise`` keeps restarting
     services: what it acknowledged is in its spool, and only a gateway running on it can
-    hand that to the sink."""
+    hand that to the sink. One the supervisor gave up on (``given_up``: out of restarts)
+    is not waited for: its spool stays for the next ``loopgate up`` on the run folder."""
     timeout_s = cfg.run.drain_timeout_s
     deadline = time.monotonic() + timeout_s
     while True:
         supervise()
+        if given_up():
+            log.error(
+                "the gateway is not running (it failed; see above): nothing to drain; counting what reached the store"
+            )
+            return status
         try:
             control.request("pause", timeout_s=min(5.0, max(deadline - time.monotonic(), 0.5)))
             break

@@ -408,6 +408,46 @@ def test_run_nice_lowers_the_priority_of_the_named_services_only(tmp_path):
 
 
 @pytest.mark.e2e
+def test_a_gateway_out_of_restarts_is_not_waited_for_at_the_end(tmp_path):
+    """With no restart left (``run.max_restarts: 0``), a gateway killed (-9) fails the run,
+    which then ends without waiting ``run.drain_timeout_s`` for a gateway that will not
+    come back; what it had stored is counted, and its spool stays in the run folder."""
+    run = tmp_path / "run"
+    path = tmp_path / "reach.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "env": {"backend": "mujoco_reach", "workers": 1, "num_envs": 4, "seed": 0},
+                "policy": {"kind": "random"},
+                "run": {"max_env_steps": None, "max_restarts": 0},
+            }
+        )
+    )
+    proc = up(path, run)
+    try:
+        control = gateway_control(run)
+        wait_for(
+            lambda: status_or_nothing(control).get("env_steps", 0) >= 200,
+            timeout=120,
+            interval=0.2,
+            what="200 steps collected",
+        )
+        control.close()
+        found = subprocess.run(["pgrep", "-f", f"gateway.hub.*{run}"], capture_output=True, text=True)
+        (gateway,) = [int(p) for p in found.stdout.split()]
+        os.kill(gateway, signal.SIGKILL)
+    except BaseException:
+        proc.kill()
+        raise
+    out, summary = ended(proc, run)
+    assert summary["outcome"] == "failed", out[-3000:]
+    assert "the gateway is not running (it failed" in out, out[-3000:]
+    assert "draining: waiting for the gateway" not in out, out[-3000:]
+    assert proc.returncode == 1
+    assert list((run / "spool").iterdir()), "the dead gateway's spool is kept for the next run"
+
+
+@pytest.mark.e2e
 def test_ctrl_c_right_after_the_gateway_died_waits_for_its_restart_and_stores_everything(tmp_path):
     """The gateway is killed (-9) and Ctrl-C comes before the supervisor restarted it:
     the drain waits for the restarted gateway, which hands its spool to the store, so
