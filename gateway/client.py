@@ -143,6 +143,23 @@ class _Connection:
             self.sock.close(linger=100)
 
 
+def _action_batch(action: Any, spec: EnvSpec, num_envs: int) -> np.ndarray:
+    """``action`` as the batch a STEP carries: ``num_envs`` actions of the spec's dtype and
+    shape, given as that batch or flat. ``ValueError`` saying what was expected otherwise
+    (the gateway checks the values: NaN, a discrete action's range)."""
+    want = (num_envs, *spec.action.shape)
+    try:
+        batch = np.asarray(action, dtype=spec.action.dtype)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"action {action!r} is not {spec.action.dtype}: {exc}") from None
+    if batch.size != int(np.prod(want)):
+        raise ValueError(
+            f"action has shape {list(batch.shape)}, expected {list(want)} "
+            f"({num_envs} env(s), each {spec.action.dtype}{list(spec.action.shape)})"
+        )
+    return batch.reshape(want)
+
+
 def _row(obs: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
     return {k: np.array(v[i]) for k, v in obs.items()}
 
@@ -199,7 +216,7 @@ class GatewayEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
         return _row(unpack("obs", reply.arrays), 0), {}
 
     def step(self, action: Any) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
-        batch = np.asarray(action, dtype=self.spec_.action.dtype).reshape((1, *self.spec_.action.shape))
+        batch = _action_batch(action, self.spec_, 1)
         reply = self._conn.call(Message(MsgType.STEP, arrays={"action": batch}))
         a = reply.arrays
         result = StepInfo(a["step_info"])
@@ -266,9 +283,7 @@ class GatewayVectorEnv(VectorEnv[dict[str, np.ndarray], np.ndarray, np.ndarray])
     def step(
         self, actions: Any
     ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-        batch = np.asarray(actions, dtype=self.spec_.action.dtype).reshape(
-            (self.num_envs, *self.spec_.action.shape)
-        )
+        batch = _action_batch(actions, self.spec_, self.num_envs)
         meta = {"intervention": [bool(v) for v in self.intervention]} if self.intervention is not None else {}
         arrays = {"action": batch}
         if self.policy_version is not None:

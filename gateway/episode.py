@@ -128,6 +128,12 @@ class ActionSpec:
         return np.asarray(self.high, dtype=self.dtype).reshape(self.shape)
 
     @functools.cached_property
+    def bounds(self) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        """(low, high) as float64 arrays of the action's shape, made once (an integer
+        action's bound may be infinite)."""
+        return tuple(np.asarray(b, dtype=np.float64).reshape(self.shape) for b in (self.low, self.high))  # type: ignore[return-value]
+
+    @functools.cached_property
     def np_dtype(self) -> np.dtype[Any]:
         """The dtype as a numpy object (comparing these is much cheaper than names)."""
         return np.dtype(self.dtype)
@@ -256,12 +262,23 @@ class EnvSpec:
         return problems
 
     def check_action(self, action: npt.NDArray[Any], num_envs: int) -> list[str]:
-        """Problems with a batch of actions (dtype, shape, finite)."""
-        want = (num_envs, *self.action.shape)
-        if action.dtype != self.action.np_dtype or action.shape != want:
-            return [f"action is {action.dtype}{list(action.shape)}, expected {self.action.dtype}{list(want)}"]
-        if action.dtype.kind == "f" and np.count_nonzero(np.isfinite(action)) != action.size:
+        """Problems with a batch of actions (dtype, shape, finite; a discrete action in
+        its range). A continuous action outside its bounds is the env's to clip, as in
+        Gymnasium; a discrete one out of range has no meaning and is refused here, by
+        the gateway, before it reaches (and ends) an env worker."""
+        spec = self.action
+        want = (num_envs, *spec.shape)
+        if action.dtype != spec.np_dtype or action.shape != want:
+            return [f"action is {action.dtype}{list(action.shape)}, expected {spec.dtype}{list(want)}"]
+        kind = action.dtype.kind
+        if kind == "f" and np.count_nonzero(np.isfinite(action)) != action.size:
             return ["action contains NaN or Inf"]
+        if kind in "iu" and action.size:
+            low, high = spec.bounds
+            outside = (action < low) | (action > high)
+            if np.count_nonzero(outside):
+                bad = action[outside].ravel()[:4].tolist()
+                return [f"action has values outside [{low.min():g}, {high.max():g}]: {bad}"]
         return []
 
     def zeros(self, num_envs: int) -> Obs:

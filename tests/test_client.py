@@ -102,6 +102,39 @@ def test_bad_actions_from_a_client_are_refused_and_the_env_survives(gateway_run)
         env.close()
 
 
+def test_a_discrete_action_out_of_range_is_refused_and_the_worker_goes_on(gateway_run):
+    """A script's action 2 for CartPole's ``Discrete(2)`` once reached the worker, whose
+    env refused it: the worker exited, the script heard "worker ... is gone" and its
+    episode ended interrupted. The gateway now refuses it, naming the range, and the
+    same worker takes the next action; a batch of the wrong shape is refused by the
+    client, saying the shape it needs."""
+    run = gateway_run(
+        {"env": {"backend": "gymnasium", "options": {"id": "CartPole-v1"}}, "policy": {"kind": "external"}}
+    )
+    worker = run.worker(0)
+    wait_for(lambda: run.status()["workers"], what="worker registered")
+    env = GatewayEnv(run.endpoints["clients"])
+    try:
+        env.reset(seed=0)
+        env.step(1)
+        for action in (2, -1):
+            with pytest.raises(RemoteError) as info:
+                env.step(action)
+            assert info.value.code == "bad_request", info.value
+            assert f"action has values outside [0, 1]: [{action}]" in info.value.message
+        with pytest.raises(
+            ValueError, match=r"action has shape \[2\], expected \[1\] \(1 env\(s\), each int64\[\]\)"
+        ):
+            env.step([0, 1])
+        obs, reward, *_ = env.step(0)
+        assert env.observation_space.contains(obs) and reward == 1.0
+    finally:
+        env.close()
+    assert worker.poll() is None, "the worker is still the one that started"
+    final = run.drain()
+    assert final["acked_steps"] == 2, final
+
+
 def test_a_script_started_before_any_worker_waits_for_one(gateway_run, caplog):
     """A script started right after ``loopgate up`` attaches before any worker has
     registered: its HELLO waits (the gateway says why about once a second) and is answered
