@@ -27,6 +27,10 @@ from rich.table import Table
 
 log = logging.getLogger(__name__)
 
+SAID_HOLDS = ("estop", "paused", "storage")
+"""Holds the live view logs as they start and end; the others (the sink's backpressure,
+the policy's lag) come and go by themselves and show in the status line only."""
+
 
 class LiveView:
     def __init__(self, title: str, total_steps: int | None, *, console: Console | None = None) -> None:
@@ -45,6 +49,7 @@ class LiveView:
         self.task = self.progress.add_task("collect", total=total_steps)
         self._live: Live | None = None
         self._last_line = 0.0
+        self._held: str | None = None
 
     def __enter__(self) -> LiveView:
         if self.interactive:
@@ -59,6 +64,7 @@ class LiveView:
     def update(self, status: dict[str, Any], services: list[dict[str, Any]], extra: dict[str, Any]) -> None:
         steps = int(status.get("env_steps", 0))
         self.progress.update(self.task, completed=steps)
+        self._say_hold(status)
         if self._live is not None:
             self._live.update(Group(self.progress, self._table(status, services, extra)))
             return
@@ -66,7 +72,8 @@ class LiveView:
         if now - self._last_line >= 5.0:
             self._last_line = now
             budget = f"/{self.total}" if self.total else ""
-            more = " ".join(f"{k}={v}" for k, v in extra.items())
+            held = {"held": status["held"]} if status.get("held") else {}
+            more = " ".join(f"{k}={v}" for k, v in {**held, **extra}.items())
             log.info(
                 "env_steps=%d%s steps/s=%.0f episodes=%d rtt_p50=%.0fus services=%s %s",
                 steps,
@@ -77,6 +84,18 @@ class LiveView:
                 ",".join(f"{s['name']}:{s['state']}" for s in services),
                 more,
             )
+
+    def _say_hold(self, status: dict[str, Any]) -> None:
+        """Log when an operator's hold (e-stop, pause) or a failing spool starts or ends
+        collection: otherwise only steps/s falling to 0 would say so."""
+        held = status.get("held") if status.get("held") in SAID_HOLDS else None
+        if held == self._held:
+            return
+        if held is not None:
+            log.warning("collection held: %s", status.get("held_why") or held)
+        elif self._held is not None and "held" in status:
+            log.info("collection resumed (%s lifted)", self._held)
+        self._held = held
 
     def _table(self, status: dict[str, Any], services: list[dict[str, Any]], extra: dict[str, Any]) -> Table:
         table = Table(expand=False, show_edge=False, pad_edge=False)
@@ -99,6 +118,7 @@ class LiveView:
             f"rtt p50/p99 [bold]{status.get('rtt_p50_us', 0):.0f}/{status.get('rtt_p99_us', 0):.0f} µs[/]",
             f"workers [bold]{len(workers)}[/]",
             f"errors [bold]{sum(status.get('errors', {}).values())}[/]",
+            *([f"held [bold red]{status['held']}[/]"] if status.get("held") else []),
             *(f"{k} [bold]{v}[/]" for k, v in extra.items()),
         )
         outer = Table.grid()

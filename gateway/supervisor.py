@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
                 for row in described:
                     row["detail"] = watch.details.get(row["name"], row["detail"])
                 view.update(status, described, scaling)
-                record = {k: v for k, v in status.items() if k not in ("spec", "rtt", "workers")}
+                record = {k: v for k, v in status.items() if k not in ("spec", "rtt", "workers", "held_why")}
                 if scaling:
                     record["autoscaler"] = {**autoscaler.last, "p99_mark_ms": autoscaler.p99_mark_ms}
                 metrics.emit({"services": {p["name"]: p["state"] for p in sup.describe()}, **record})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -171,6 +172,56 @@ def test_estop_stops_every_worker_and_release_resumes(gateway_run):
     wait_for(lambda: all("e-stop engaged" in log_of(w) for w in workers), what="workers to see the e-stop")
     run.control.request("estop", engaged=False)
     wait_for(lambda: steps(run) > halted + 200, what="collection to resume after release")
+
+
+def test_an_engaged_estop_outlives_the_gateway_until_it_is_released(gateway_run):
+    """The e-stop is latched: a gateway killed (-9) while it is engaged, and started again
+    on the same run folder (``loopgate up`` restarts it), starts e-stopped. Its workers
+    reconnect and hear the e-stop again; nothing moves until a release, which removes
+    the latch. (Before, the restarted gateway knew nothing of it and the sims moved.)"""
+    run = gateway_run()
+    workers = [run.worker(0), run.worker(1)]
+    wait_for(lambda: every_worker_stepped(run, 2, 100), what="two workers streaming")
+    run.control.request("estop", engaged=True, reason="operator")
+    latch = run.run_dir / "estop.json"
+    wait_for(latch.exists, what="the e-stop latched in the run folder")
+    assert json.loads(latch.read_text())["reason"] == "operator"
+    run.kill()
+    run.start()
+    assert run.status()["estopped"] is True
+    assert "the e-stop is engaged (operator, since " in log_of(run.proc)
+    wait_for(lambda: len(run.status()["workers"]) == 2, what="both workers back")
+    wait_for(
+        lambda: all(log_of(w).count("e-stop engaged by the gateway") == 2 for w in workers),
+        what="the workers to hear the e-stop again from the restarted gateway",
+    )
+    halted = steps(run)
+    time.sleep(1.0)
+    assert steps(run) - halted <= 2 * 4  # at most a step in flight per env
+    run.control.request("estop", engaged=False, reason="operator")
+    assert not latch.exists()
+    wait_for(lambda: steps(run) > halted + 200, what="collection to resume after release")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("latched", ["{", "[1]", ""])
+def test_a_latch_that_cannot_be_read_engages_the_estop(tmp_path, latched):
+    """Fail safe: a latch file there at all means an e-stop was engaged."""
+    from gateway.hub.estop import ControlLine
+    from gateway.hub.state import Collection
+
+    (tmp_path / "estop.json").write_text(latched)
+    state = Collection(max_env_steps=None)
+    line = ControlLine(
+        zmq.Context.instance(), "tcp://127.0.0.1:0", state, sessions=lambda: 0, latch=tmp_path / "estop.json"
+    )
+    try:
+        restored = line.restore()
+        assert restored is not None and restored["reason"].startswith("unreadable latch")
+        assert state.estopped and state.estop_epoch == 1
+        assert line.release(1) and not state.estopped and not (tmp_path / "estop.json").exists()
+    finally:
+        line.close()
 
 
 def test_a_pause_is_not_counted_as_round_trip_time(gateway_run):

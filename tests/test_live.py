@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.live import StartupWatch, last_line
+from gateway.live import LiveView, StartupWatch, last_line
 
 pytestmark = pytest.mark.unit
 
@@ -65,3 +65,30 @@ def test_last_line_reads_the_end_of_a_long_log(tmp_path: Path) -> None:
     log.write_text("x" * 100_000 + "\nfirst\n" + "last " * 100 + "\n\n")
     assert last_line(log, limit=20) == "last last last la..."
     assert last_line(tmp_path / "missing.log") == ""
+
+
+def test_an_operators_hold_is_said_when_it_starts_and_when_it_ends(caplog) -> None:
+    """Before, ``loopgate up`` showed steps/s falling to 0 and nothing else while an e-stop
+    or a pause held collection. The sink's backpressure comes and goes by itself: it is
+    in the status line only."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    view = LiveView("run", None, console=Console(file=StringIO()))
+    estop = {"held": "estop", "held_why": "the e-stop is engaged; steps resume once it is released"}
+    with caplog.at_level(logging.INFO, logger="gateway.live"):
+        for status in (
+            {"held": None},
+            estop,
+            estop,
+            {"held": "backpressure"},
+            {"held": None},
+            {"held": "paused"},
+        ):
+            view.update({"env_steps": 0, **status}, [], {})
+    assert [r.getMessage() for r in caplog.records if "collection" in r.getMessage()] == [
+        "collection held: the e-stop is engaged; steps resume once it is released",
+        "collection resumed (estop lifted)",
+        "collection held: paused",
+    ]

@@ -20,6 +20,7 @@ from gateway.endpoints import EndpointsFollower
 from gateway.episode import EnvSpec
 from gateway.factory import experiment_spec
 from gateway.hub.core import Gateway
+from gateway.hub.estop import LATCH_FILE
 from gateway.metrics import MetricsWriter
 from gateway.policies import ActionSource, InProcessSource, make_policy
 from gateway.recorder import Recorder
@@ -102,6 +103,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         max_env_steps=max_steps,
         endpoints=EndpointsFollower(endpoints_path),
         realtime_priority=cfg.run.realtime_priority,
+        estop_latch=run_dir / LATCH_FILE,
     )
     if "gateway" not in endpoints:
         endpoints["gateway"] = gateway.addresses

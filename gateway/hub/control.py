@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -40,9 +41,30 @@ log = logging.getLogger(__name__)
 class ControlDesk:
     """Takes COMMANDs on the control socket and applies them to the gateway."""
 
-    def __init__(self, hub: Hub, ctx: zmq.Context[Any], address: str, keys: CurveKeys | None) -> None:
+    def __init__(
+        self,
+        hub: Hub,
+        ctx: zmq.Context[Any],
+        address: str,
+        keys: CurveKeys | None,
+        estop_latch: Path | None = None,
+    ) -> None:
         self.hub = hub
-        self.line = ControlLine(ctx, address, hub.state, sessions=lambda: len(hub.sessions), keys=keys)
+        self.line = ControlLine(
+            ctx, address, hub.state, sessions=lambda: len(hub.sessions), keys=keys, latch=estop_latch
+        )
+        latched = self.line.restore()
+        if latched is not None:
+            since = latched.get("t_engaged")
+            log.warning(
+                "the e-stop is engaged (%s%s), latched in %s: nothing moves until it is released "
+                "(the console's Resume, or the control command estop {engaged: false})",
+                latched.get("reason") or "no reason given",
+                f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}"
+                if isinstance(since, (int, float))
+                else "",
+                estop_latch,
+            )
         self.address = self.line.address
         self.sock = self.line.sock
         """The loop's end of the control socket (ROUTER-framed), fed by :attr:`line`."""
@@ -177,6 +199,7 @@ class ControlDesk:
         if engaged:
             epoch = self.line.next_epoch(True)
             self.notify_workers(estop_command(True, reason, epoch))
+            self.line.keep_engaged(reason)
             return {"estopped": True, "workers": len(hub.sessions), "epoch": epoch}
         if not self.line.release(epoch):
             log.warning("e-stop release (%s) superseded by a later e-stop command", reason)

@@ -28,6 +28,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -88,6 +89,7 @@ class Gateway:
         context: zmq.Context[Any] | None = None,
         endpoints: EndpointsFollower | None = None,
         realtime_priority: int = 0,
+        estop_latch: Path | None = None,
     ) -> None:
         self.config = config
         self.endpoints = endpoints
@@ -113,7 +115,7 @@ class Gateway:
         self.sessions: dict[str, WorkerSession] = {}
         self.realtime_priority = realtime_priority
         """``run.realtime_priority``: the process's real-time priority, taken by ``main`` (0: normal)."""
-        self.control = ControlDesk(self, self._ctx, addresses["control"], keys)
+        self.control = ControlDesk(self, self._ctx, addresses["control"], keys, estop_latch)
         self.addresses["control"] = self.control.address
         self.clients = ClientRouter(self, self._ctx, addresses["clients"], keys)
         self.addresses["clients"] = self.clients.address

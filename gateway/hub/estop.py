@@ -23,7 +23,12 @@ core the moment they are woken, however busy simulators and browsers keep the co
 an epoch, in the order the control socket received them; a worker applies a command only
 if its epoch is newer than the last it applied, so the bus and the workers' socket may
 deliver the same command in either order, and a release the loop handles after a later
-engage (already applied here) is answered as superseded and changes nothing::
+engage (already applied here) is answered as superseded and changes nothing.
+
+The e-stop is latched in the run folder too (``estop.json``, :data:`LATCH_FILE`): written
+when it is engaged (after the answer, so the caller never waits for the disk), removed when
+it is released. A gateway that starts on a run folder whose e-stop is engaged (a restart
+after a crash, a continued run) starts e-stopped: only a release lets anything move::
 
     line = ControlLine(ctx, "tcp://127.0.0.1:0", state, sessions=lambda: 3)
     line.start()
@@ -33,10 +38,13 @@ engage (already applied here) is answered as superseded and changes nothing::
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -52,6 +60,8 @@ INTERNAL = b"\x00loopgate-control-line"
 """The routing frame of the line's own notices to the loop (no peer has this identity:
 ZeroMQ's generated ones start with a zero byte and are five bytes long)."""
 POLL_MS = 100
+LATCH_FILE = "estop.json"
+"""The run folder's e-stop latch: present while the e-stop is engaged."""
 
 
 def bus_address(control: str) -> str:
@@ -88,9 +98,12 @@ class ControlLine:
         *,
         sessions: Callable[[], int],
         keys: CurveKeys | None = None,
+        latch: Path | None = None,
     ) -> None:
         self.state = state
         self.sessions = sessions
+        self.latch = latch
+        """Where the engaged e-stop is kept across this process's end (None: nowhere)."""
         self.lock = threading.Lock()
         """Held while the e-stop state and its epoch change (here and in the loop)."""
         self.front = make_socket(ctx, zmq.ROUTER)
@@ -150,6 +163,7 @@ class ControlLine:
         reply = {"estopped": True, "workers": self.sessions(), "epoch": epoch, "t_engaged": time.time()}
         send(self.front, Message(MsgType.REPLY, seq=msg.seq, meta=reply), route=[frames[0]])
         send(self._relay, command, route=[INTERNAL])
+        self.keep_engaged(reason)
 
     def next_epoch(self, engaged: bool) -> int:
         """The next e-stop command's epoch; engaging sets the state at once."""
@@ -170,7 +184,38 @@ class ControlLine:
             elif epoch != self.state.estop_epoch:
                 return False
             self.state.estopped = False
+            if self.latch is not None:
+                self.latch.unlink(missing_ok=True)
             return True
+
+    def keep_engaged(self, reason: str) -> None:
+        """Latch an engaged e-stop in the run folder (replaced whole: never half-written)."""
+        if self.latch is None:
+            return
+        tmp = self.latch.with_name(f".{self.latch.name}.{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps({"engaged": True, "reason": reason, "t_engaged": time.time()}))
+            os.replace(tmp, self.latch)
+        except OSError as exc:  # a full disk must not take the e-stop down with it
+            log.error(
+                "could not latch the e-stop in %s: %s (it holds while this gateway runs)", self.latch, exc
+            )
+
+    def restore(self) -> dict[str, Any] | None:
+        """Engage the e-stop a previous gateway on this run folder left engaged; what it
+        latched (``reason``, ``t_engaged``), or None. An unreadable latch engages too."""
+        if self.latch is None or not self.latch.exists():
+            return None
+        try:
+            latched = json.loads(self.latch.read_text())
+            if not isinstance(latched, dict):
+                raise ValueError(f"expected an object, got {type(latched).__name__}")
+        except (OSError, ValueError) as exc:
+            latched = {"reason": f"unreadable latch ({exc})"}
+        with self.lock:
+            self.state.estopped = True
+            self.state.estop_epoch += 1  # workers apply only epochs above the last (0 when they join)
+        return latched
 
     def close(self) -> None:
         self._quit.set()
