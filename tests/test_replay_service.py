@@ -487,6 +487,9 @@ def test_demonstrations_are_imported_once_offline_online_and_from_config(service
     assert count_store(None, svc.run_dir).stored_steps == 0
     bad = loopgate("replay", "import", str(second), "--table", "online", "--run-dir", str(svc.run_dir))
     assert bad.returncode == 2 and "source: demos" in bad.stderr
+    unknown = loopgate("replay", "import", str(second), "--table", "demo", "--run-dir", str(svc.run_dir))
+    assert unknown.returncode == 2
+    assert "ERROR no replay table 'demo'; tables: online, demos\n" in unknown.stderr, unknown.stderr
 
 
 def test_replay_and_export_help_show_a_runnable_example():

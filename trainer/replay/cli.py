@@ -79,7 +79,7 @@ def run_import(args: argparse.Namespace) -> int:
         cfg = load_config(config)
         table = cfg.replay.table(args.table)
     except (ConfigError, KeyError) as exc:
-        log.error("%s", exc)
+        log.error("%s", exc.args[0] if isinstance(exc, KeyError) else exc)  # a KeyError's str() quotes it
         return 2
     if table.source != "demos":
         log.error(
