@@ -214,7 +214,12 @@ class Supervisor:
                 log.info("%s finished", s.name)
             elif code == EXIT_CONFIG:
                 proc.state = "failed"
-                self.failed = f"{s.name} refused to run (exit 2): {self.tail(s.name)}"
+                if s.required:
+                    self.failed = f"{s.name} refused to run (exit 2): {self.tail(s.name)}"
+                else:  # e.g. the console: the experiment goes on without it
+                    log.error(
+                        "%s refused to run; the run goes on without it: %s", s.name, self.reason(s.name)
+                    )
             elif s.restart and proc.restarts < self.cfg.run.max_restarts:
                 proc.restarts += 1
                 proc.state = "backoff"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gateway.metrics import read_metrics
-from tests.conftest import REPO, interrupt_when, loopgate, sigint_at_default, wait_for
+from tests.conftest import REPO, interrupt_when, loopgate, sigint_at_default, time_left, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -125,6 +125,60 @@ def test_ctrl_c_drains_and_still_writes_a_summary(tmp_path):
     time.sleep(0.5)
     left = subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True).stdout.split()
     assert left == []
+
+
+def test_a_console_port_in_use_is_said_and_the_run_goes_on_without_the_console(tmp_path):
+    """``console.port`` taken by another program: the console once logged "console at
+    http://127.0.0.1:PORT" (the other program's address), failed inside uvicorn with a
+    line the supervisor did not recognise ("no error in logs/console.log"), and was
+    started again five times. It now binds the port before anything else, says whose
+    fault it is, exits with 2 and is not started again; the experiment goes on."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    run = tmp_path / "run"
+    log_path = tmp_path / "up.log"
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [
+                    *(
+                        sys.executable,
+                        "-m",
+                        "gateway",
+                        "up",
+                        "configs/collect_pd.yaml",
+                        "--run-dir",
+                        str(run),
+                    ),
+                    *("--set", "run.max_env_steps=null", "--set", "console.enabled=true"),
+                    *("--set", f"console.port={port}"),
+                ],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            interrupt_when(
+                proc,
+                lambda: "console refused to run; the run goes on without it" in log_path.read_text(),
+                what="the console's refusal",
+                timeout=time_left(40),
+            )
+    finally:
+        taken.close()
+    out = log_path.read_text()
+    assert proc.returncode == 130, out[-3000:]
+    assert (
+        f"cannot serve the console at http://127.0.0.1:{port}: Address already in use "
+        "(another program listens there?); set console.port to a free port, or 0 for any"
+    ) in out
+    assert "restart 1/" not in out
+    assert "gateway.console: console at http" not in (run / "logs" / "console.log").read_text()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outcome"] == "interrupted" and summary["stored_steps"] == summary["acked_steps"] > 0
 
 
 SLOW_ENV = """

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -123,6 +124,18 @@ def _token_file(run_dir: Path) -> str:
     return token
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (the server listens on it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server would bind it
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _replay_control(endpoints: dict[str, object]) -> str | None:
     """The replay service's control address (takes are stored as demos there), if one runs."""
     replay = endpoints.get("replay")
@@ -151,6 +164,17 @@ def serve(
     from gateway.services import free_port
 
     port = cfg.port or free_port(cfg.host if cfg.host != "0.0.0.0" else "127.0.0.1")
+    try:  # bound here and handed to the server: a port in use is said before anything starts
+        listener = _listen(cfg.host, port)
+    except OSError as exc:
+        log.error(
+            "cannot serve the console at http://%s:%d: %s (another program listens there?); "
+            "set console.port to a free port, or 0 for any",
+            cfg.host,
+            port,
+            exc.strerror or exc,
+        )
+        return 2  # a refusal (as for a bad config): loopgate up does not start it again
     gateway = endpoints["gateway"]
     assert isinstance(gateway, dict)
     link = GatewayLink(endpoints, interval_s=cfg.status_interval_s, backend=backend)
@@ -173,18 +197,22 @@ def serve(
     console.frames.start()
     try:
         log.info("console at http://%s:%d", cfg.host, port)
-        uvicorn.run(
-            create_app(console),
-            host=cfg.host,
-            port=port,
-            log_level=log_level.lower(),
-            access_log=False,
-            ws_ping_interval=5.0,
-            ws_ping_timeout=5.0,
-            # JPEG frames do not compress: deflating them only cost both ends CPU.
-            ws_per_message_deflate=False,
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(console),
+                host=cfg.host,
+                port=port,
+                log_level=log_level.lower(),
+                access_log=False,
+                ws_ping_interval=5.0,
+                ws_ping_timeout=5.0,
+                # JPEG frames do not compress: deflating them only cost both ends CPU.
+                ws_per_message_deflate=False,
+            )
         )
+        server.run(sockets=[listener])
     finally:
+        listener.close()
         if console.teleop is not None:
             console.teleop.release()
         console.frames.close()
