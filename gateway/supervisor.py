@@ -40,6 +40,7 @@ from gateway.engines.autoscale import Autoscaler
 from gateway.engines.scaling import serve_requests
 from gateway.factory import experiment_spec
 from gateway.live import LiveView, StartupWatch
+from gateway.locks import UP_LOCK, Locked, hold
 from gateway.metrics import Histogram, MetricsWriter
 from gateway.priority import may_set_niceness, set_session_niceness
 from gateway.protocol import RemoteError, Timeout
@@ -483,8 +484,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = load_config(args.config, overrides)
             run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+            # Before anything is written there: a second `loopgate up` on a folder in use
+            # would rewrite its endpoints and run a second gateway on its spool.
+            hold(run_dir / UP_LOCK, "loopgate up")
             run, services, _ = prepare_run(cfg, run_dir, (args.log_level or cfg.run.log_level).upper())
             engine = open_engine(cfg)
+        except Locked as exc:
+            log.error("%s: stop it first, or give this run another --run-dir", exc)
+            return EXIT_CONFIG
         except ConfigError as exc:
             if interrupted["n"]:
                 # A library interrupted while building the env may report any error

@@ -181,6 +181,39 @@ def test_a_console_port_in_use_is_said_and_the_run_goes_on_without_the_console(t
     assert summary["outcome"] == "interrupted" and summary["stored_steps"] == summary["acked_steps"] > 0
 
 
+def test_a_second_up_on_a_run_folder_in_use_is_refused_and_the_first_loses_nothing(tmp_path):
+    """A second ``loopgate up`` on a live run's folder once ran beside the first: it
+    rewrote ``endpoints.json`` and its gateway recorded into the same spool, and the
+    first run ended with 800 steps lost and 320 stored twice. It is now refused before it
+    writes anything there."""
+    run = tmp_path / "run"
+    first = up_collect_pd(run, "--set", "run.max_env_steps=null")
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").exists(), timeout=time_left(60), what="the first run")
+        endpoints = (run / "endpoints.json").read_text()
+        second = loopgate("up", "configs/collect_pd.yaml", "--run-dir", str(run), "--max-env-steps", "500")
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert (
+            f"{run} is in use by pid {first.pid} (loopgate up): stop it first, or give this run another --run-dir"
+        ) in second.stderr
+        assert (run / "endpoints.json").read_text() == endpoints
+        out = interrupt_when(
+            first,
+            lambda: any(r.get("env_steps", 0) > 500 for r in read_metrics(run / "metrics.jsonl")),
+            what="the first run collecting",
+            timeout=time_left(40),
+        )
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130, out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stored_steps"] == summary["acked_steps"] > 500, summary
+    assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0, summary
+    again = loopgate("up", "configs/collect_pd.yaml", "--run-dir", str(run), "--max-env-steps", "200")
+    assert again.returncode == 0, again.stderr[-3000:]  # once it ended, the run continues
+
+
 SLOW_ENV = """
 import pathlib, time
 import gymnasium

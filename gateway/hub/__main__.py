@@ -23,6 +23,7 @@ from gateway import lifeline
 from gateway.config import ConfigError
 from gateway.hub.assembly import build_gateway
 from gateway.hub.core import TICK_S, Gateway
+from gateway.locks import Locked
 from gateway.priority import go_realtime
 from gateway.services import freeze_heap
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     lifeline.arm()
     try:
         gateway = build_gateway(args)
-    except (ConfigError, ValueError, OSError) as exc:
+    except (ConfigError, ValueError, OSError, Locked) as exc:
         log.error("%s", exc)
         return 2
     stopping = {"n": 0}

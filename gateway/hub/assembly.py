@@ -21,6 +21,7 @@ from gateway.episode import EnvSpec
 from gateway.factory import experiment_spec
 from gateway.hub.core import Gateway
 from gateway.hub.estop import LATCH_FILE
+from gateway.locks import wait_to_hold
 from gateway.metrics import MetricsWriter
 from gateway.policies import ActionSource, InProcessSource, make_policy
 from gateway.recorder import Recorder
@@ -75,6 +76,9 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         spec = experiment_spec(cfg.env.backend, dict(cfg.env.options))
     keys = CurveKeys.load(cfg.gateway.curve_keys) if cfg.gateway.curve_keys else None
     g = cfg.gateway
+    # One gateway per spool. One still stopping (its loopgate up killed, a restart's
+    # predecessor) drains for up to stop_drain_s first.
+    wait_to_hold(run_dir / "spool" / "LOCK", "gateway", g.stop_drain_s + 10.0, log.warning)
     recorder = Recorder(
         run_dir / "spool",
         make_sink(cfg, run_dir, endpoints),

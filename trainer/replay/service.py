@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from gateway.locks import Locked, hold
 from gateway.metrics import MetricsWriter
 from gateway.protocol import (
     ErrorCode,
@@ -63,20 +63,9 @@ log = logging.getLogger(__name__)
 MAX_SAMPLE_TIMEOUT_S = 300.0
 
 
-class Locked(RuntimeError):
-    """Another process holds the replay folder."""
-
-
 def lock_dir(replay_dir: Path) -> int:
     """Hold ``<replay_dir>/LOCK`` (one writer per log); raise :class:`Locked` if taken."""
-    replay_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(replay_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise Locked(f"{replay_dir} is in use by a running replay service") from None
-    return fd
+    return hold(replay_dir / "LOCK", "replay service")
 
 
 def open_log(cfg: ReplayConfig, run_dir: Path) -> ReplayLog:
