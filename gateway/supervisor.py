@@ -486,7 +486,11 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
             # Before anything is written there: a second `loopgate up` on a folder in use
             # would rewrite its endpoints and run a second gateway on its spool.
-            hold(run_dir / UP_LOCK, "loopgate up")
+            try:
+                hold(run_dir / UP_LOCK, "loopgate up")
+            except OSError as exc:  # the folder cannot be made or written
+                log.error("cannot use the run folder %s: %s", run_dir, exc)
+                return EXIT_CONFIG
             run, services, _ = prepare_run(cfg, run_dir, (args.log_level or cfg.run.log_level).upper())
             engine = open_engine(cfg)
         except Locked as exc:

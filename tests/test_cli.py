@@ -403,6 +403,17 @@ def test_an_env_module_nowhere_to_be_found_is_refused_saying_where_it_was_looked
     ) in out.stderr
 
 
+def test_a_run_folder_that_cannot_be_made_is_refused_in_one_line(tmp_path):
+    """It ended in a ``FileExistsError`` or ``PermissionError`` traceback."""
+    (tmp_path / "a-file").write_text("")
+    out = loopgate("up", "configs/collect_pd.yaml", "--run-dir", str(tmp_path / "a-file" / "run"), timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert (
+        f"cannot use the run folder {tmp_path / 'a-file' / 'run'}: [Errno 20] Not a directory" in out.stderr
+    )
+
+
 def test_help_shows_runnable_examples():
     out = loopgate("--help")
     assert out.returncode == 0 and "loopgate up configs/reach_sim.yaml" in out.stdout
