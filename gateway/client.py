@@ -13,7 +13,9 @@ the experiment's policy leaves the workers to clients)::
     venv = GatewayVectorEnv("tcp://127.0.0.1:5556", num_envs=8)   # autoreset: same-step
     obs, info = venv.reset(seed=0)
 
-The address is the gateway's ``clients`` endpoint (``endpoints.json`` of the run).
+The address is the gateway's ``clients`` endpoint (``endpoints.json`` of the run), or
+the run folder itself (or its ``endpoints.json``), read when ``loopgate up`` has written
+it: ``GatewayEnv("runs/my-run")``.
 Every call has a deadline (``timeout_s``) and raises :class:`~gateway.protocol.Timeout`
 instead of hanging; errors from the gateway arrive as
 :class:`~gateway.protocol.RemoteError`.
@@ -40,7 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -49,6 +53,8 @@ import zmq
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
+from gateway.endpoints import lookup
+from gateway.endpoints import read as read_endpoints
 from gateway.episode import EnvSpec
 from gateway.protocol import Message, MsgType, RunEnded, Timeout, raise_for_error, recv, send, unpack
 from gateway.steps import StepInfo
@@ -76,7 +82,7 @@ class _Connection:
 
     def __init__(
         self,
-        address: str,
+        address: str | os.PathLike[str],
         num_envs: int | None,
         *,
         worker: str | None,
@@ -90,6 +96,7 @@ class _Connection:
         self.hold_timeout_s = hold_timeout_s
         self.held: str | None = None
         """Why the gateway holds the call in progress (None: it does not)."""
+        address = clients_address(address, timeout_s)
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self.sock = make_socket(self._ctx, zmq.DEALER)
         connect(self.sock, address, keys)
@@ -143,6 +150,31 @@ class _Connection:
             self.sock.close(linger=100)
 
 
+def clients_address(address: str | os.PathLike[str], timeout_s: float) -> str:
+    """The gateway's clients endpoint for ``address``: a ZeroMQ address as it is, else a
+    run folder or its ``endpoints.json``, waited for up to ``timeout_s`` (a script may
+    start before ``loopgate up`` has written it). :class:`Timeout` saying what was looked for."""
+    text = os.fspath(address)
+    if "://" in text:
+        return text
+    path = Path(text)
+    path = path if path.name == "endpoints.json" else path / "endpoints.json"
+    deadline, said = time.monotonic() + timeout_s, False
+    while True:
+        found = lookup(read_endpoints(path), "gateway", "clients")
+        if found is not None:
+            return found
+        if time.monotonic() >= deadline:
+            raise Timeout(
+                f"{path} names no gateway within {timeout_s:g} s: is `loopgate up` running on "
+                f"{path.parent}? (or give the gateway's address, tcp://HOST:PORT)"
+            )
+        if not said:
+            log.info("waiting up to %g s for %s (loopgate up writes it as it starts)", timeout_s, path)
+            said = True
+        time.sleep(0.1)
+
+
 def _action_batch(action: Any, spec: EnvSpec, num_envs: int) -> np.ndarray:
     """``action`` as the batch a STEP carries: ``num_envs`` actions of the spec's dtype and
     shape, given as that batch or flat. ``ValueError`` saying what was expected otherwise
@@ -169,7 +201,7 @@ class GatewayEnv(gym.Env[dict[str, np.ndarray], np.ndarray]):
 
     def __init__(
         self,
-        address: str,
+        address: str | os.PathLike[str],
         *,
         worker: str | None = None,
         takeover: bool = False,
@@ -239,7 +271,7 @@ class GatewayVectorEnv(VectorEnv[dict[str, np.ndarray], np.ndarray, np.ndarray])
 
     def __init__(
         self,
-        address: str,
+        address: str | os.PathLike[str],
         *,
         num_envs: int | None = None,
         worker: str | None = None,

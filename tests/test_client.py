@@ -135,6 +135,45 @@ def test_a_discrete_action_out_of_range_is_refused_and_the_worker_goes_on(gatewa
     assert final["acked_steps"] == 2, final
 
 
+def test_a_script_may_name_the_run_folder_instead_of_the_address(gateway_run, tmp_path):
+    """``GatewayEnv("runs/x")``: a folder (or ``endpoints.json``) once reached ZeroMQ as an
+    address and failed with ``ZMQError: Invalid argument``."""
+    run = gateway_run(external(1))
+    run.worker(0)
+    wait_for(lambda: run.status()["workers"], what="worker registered")
+    for where in (run.run_dir, run.run_dir / "endpoints.json", str(run.run_dir)):
+        env = GatewayEnv(where)
+        try:
+            env.reset(seed=0)
+            env.step(np.zeros(3, np.float32))
+        finally:
+            env.close()
+    from gateway.protocol import Timeout
+
+    with pytest.raises(
+        Timeout, match=r"names no gateway within 0.3 s: is `loopgate up` running on .*nowhere\?"
+    ):
+        GatewayEnv(tmp_path / "nowhere", timeout_s=0.3)
+
+
+@pytest.mark.unit
+def test_the_run_folders_endpoints_are_waited_for_until_loopgate_up_writes_them(tmp_path):
+    import json
+    import threading
+
+    from gateway.client import clients_address
+
+    run = tmp_path / "run"
+
+    def start() -> None:
+        run.mkdir()
+        (run / "endpoints.json").write_text(json.dumps({"gateway": {"clients": "tcp://127.0.0.1:5"}}))
+
+    threading.Timer(0.3, start).start()
+    assert clients_address(run, timeout_s=30.0) == "tcp://127.0.0.1:5"
+    assert clients_address("ipc:///tmp/x.sock", timeout_s=0.0) == "ipc:///tmp/x.sock"
+
+
 def test_a_script_started_before_any_worker_waits_for_one(gateway_run, caplog):
     """A script started right after ``loopgate up`` attaches before any worker has
     registered: its HELLO waits (the gateway says why about once a second) and is answered
