@@ -198,7 +198,9 @@ class RunConfig:
     """The run as a whole: budget, run folder, supervision."""
 
     max_env_steps: int | None = None
-    """Stop after this many recorded env steps (``None``: run until Ctrl-C or the trainer finishes)."""
+    """Stop after this many recorded env steps (``None``: run until Ctrl-C or the trainer finishes).
+    Evaluation rounds a trainer asks for (``trainer.eval_every``, the final evaluation) run
+    past it: a budget spent before one leaves it unscored otherwise."""
     run_dir: str | None = None
     """Run folder; default ``runs/<config name>-<timestamp>``."""
     log_level: str = "INFO"
