@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("trainer.replay.cli:main", "run the replay service, or import demonstrations into a run"),
     "export": ("trainer.replay.export:main", "export a run's episodes (LeRobot v3 dataset, MCAP for ROS 2)"),
     "console": ("gateway.console.__main__:main", "serve a run's web console: fleet, e-stop, teleoperation"),
+    "estop": ("gateway.latch:main", "engage (or --release) a run's e-stop from a terminal or a script"),
 }
 """Subcommand -> (``module:function``, one-line description)."""
 

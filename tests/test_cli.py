@@ -214,6 +214,46 @@ def test_a_second_up_on_a_run_folder_in_use_is_refused_and_the_first_loses_nothi
     assert again.returncode == 0, again.stderr[-3000:]  # once it ended, the run continues
 
 
+def test_estop_from_the_command_line_holds_a_run_and_latches_an_ended_one(tmp_path):
+    """``loopgate estop RUN`` does what the console's button does; on a run that has
+    ended it sets (or clears) the latch the run's next start finds."""
+    run = tmp_path / "run"
+    proc = up_collect_pd(run, "--set", "run.max_env_steps=null")
+    try:
+        wait_for(lambda: (run / "summary.json").exists() or (run / "metrics.jsonl").exists(), what="the run")
+        engaged = loopgate("estop", str(run), "--reason", "cable caught", "--timeout", "10", timeout=60)
+        assert engaged.returncode == 0, engaged.stderr[-2000:]
+        assert json.loads(engaged.stdout)["estopped"] is True
+        assert json.loads((run / "estop.json").read_text())["reason"] == "cable caught"
+        from gateway.control_client import ControlClient
+
+        control = ControlClient(json.loads((run / "endpoints.json").read_text())["gateway"]["control"])
+        try:
+            assert control.request("status", timeout_s=10)["held"] == "estop"
+        finally:
+            control.close()
+        released = loopgate("estop", str(run), "--release", "--timeout", "10", timeout=60)
+        assert released.returncode == 0 and json.loads(released.stdout)["estopped"] is False, released.stderr
+        assert not (run / "estop.json").exists()
+        out = interrupt_when(
+            proc,
+            lambda: any(r.get("env_steps", 0) > 200 for r in read_metrics(run / "metrics.jsonl")),
+            what="collection after the release",
+            timeout=time_left(40),
+        )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    ended = loopgate("estop", str(run), timeout=60)
+    assert ended.returncode == 0 and json.loads(ended.stdout) == {"estopped": True, "running": False}
+    assert "loopgate estop (" in json.loads((run / "estop.json").read_text())["reason"]
+    assert loopgate("estop", str(run), "--release", timeout=60).returncode == 0
+    assert not (run / "estop.json").exists()
+    nowhere = loopgate("estop", str(tmp_path / "nowhere"), timeout=60)
+    assert nowhere.returncode == 2 and "is not a run folder (no endpoints.json)" in nowhere.stderr
+
+
 SLOW_ENV = """
 import pathlib, time
 import gymnasium

@@ -20,7 +20,7 @@ from gateway.endpoints import EndpointsFollower
 from gateway.episode import EnvSpec
 from gateway.factory import experiment_spec
 from gateway.hub.core import Gateway
-from gateway.hub.estop import LATCH_FILE
+from gateway.latch import LATCH_FILE
 from gateway.locks import wait_to_hold
 from gateway.metrics import MetricsWriter
 from gateway.policies import ActionSource, InProcessSource, make_policy

@@ -25,7 +25,7 @@ if its epoch is newer than the last it applied, so the bus and the workers' sock
 deliver the same command in either order, and a release the loop handles after a later
 engage (already applied here) is answered as superseded and changes nothing.
 
-The e-stop is latched in the run folder too (``estop.json``, :data:`LATCH_FILE`): written
+The e-stop is latched in the run folder too (``estop.json``, :mod:`gateway.latch`): written
 when it is engaged (after the answer, so the caller never waits for the disk), removed when
 it is released. A gateway that starts on a run folder whose e-stop is engaged (a restart
 after a crash, a continued run) starts e-stopped: only a release lets anything move::
@@ -38,9 +38,7 @@ after a crash, a continued run) starts e-stopped: only a release lets anything m
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +48,7 @@ from typing import Any
 import zmq
 
 from gateway.hub.state import Collection
+from gateway.latch import read_latch, write_latch
 from gateway.protocol import Message, MsgType, decode, send
 from gateway.protocol.codec import encode
 from gateway.transport import CurveKeys, bind, inproc_address, make_socket
@@ -60,8 +59,6 @@ INTERNAL = b"\x00loopgate-control-line"
 """The routing frame of the line's own notices to the loop (no peer has this identity:
 ZeroMQ's generated ones start with a zero byte and are five bytes long)."""
 POLL_MS = 100
-LATCH_FILE = "estop.json"
-"""The run folder's e-stop latch: present while the e-stop is engaged."""
 
 
 def bus_address(control: str) -> str:
@@ -189,13 +186,11 @@ class ControlLine:
             return True
 
     def keep_engaged(self, reason: str) -> None:
-        """Latch an engaged e-stop in the run folder (replaced whole: never half-written)."""
+        """Latch an engaged e-stop in the run folder (:mod:`gateway.latch`)."""
         if self.latch is None:
             return
-        tmp = self.latch.with_name(f".{self.latch.name}.{os.getpid()}")
         try:
-            tmp.write_text(json.dumps({"engaged": True, "reason": reason, "t_engaged": time.time()}))
-            os.replace(tmp, self.latch)
+            write_latch(self.latch, reason)
         except OSError as exc:  # a full disk must not take the e-stop down with it
             log.error(
                 "could not latch the e-stop in %s: %s (it holds while this gateway runs)", self.latch, exc
@@ -204,14 +199,9 @@ class ControlLine:
     def restore(self) -> dict[str, Any] | None:
         """Engage the e-stop a previous gateway on this run folder left engaged; what it
         latched (``reason``, ``t_engaged``), or None. An unreadable latch engages too."""
-        if self.latch is None or not self.latch.exists():
+        latched = None if self.latch is None else read_latch(self.latch)
+        if latched is None:
             return None
-        try:
-            latched = json.loads(self.latch.read_text())
-            if not isinstance(latched, dict):
-                raise ValueError(f"expected an object, got {type(latched).__name__}")
-        except (OSError, ValueError) as exc:
-            latched = {"reason": f"unreadable latch ({exc})"}
         with self.lock:
             self.state.estopped = True
             self.state.estop_epoch += 1  # workers apply only epochs above the last (0 when they join)
