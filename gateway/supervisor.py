@@ -216,7 +216,7 @@ class Supervisor:
             elif code == EXIT_CONFIG:
                 proc.state = "failed"
                 if s.required:
-                    self.failed = f"{s.name} refused to run (exit 2): {self.tail(s.name)}"
+                    self.failed = f"{s.name} refused to run (exit 2): {self.reason(s.name)}"
                 else:  # e.g. the console: the experiment goes on without it
                     log.error(
                         "%s refused to run; the run goes on without it: %s", s.name, self.reason(s.name)

@@ -382,3 +382,56 @@ def test_a_round_that_ended_after_the_trainer_stopped_is_recorded_once(tmp_path)
         if hub._thread is not None and hub._thread.is_alive():
             hub.stop()
         hub.gateway.close()
+
+
+class EchoPolicy:
+    """Acts from the observation itself (``signal``), so a NaN there reaches the action."""
+
+    def __init__(self, spec: Any) -> None:
+        from gateway.policies import Policy
+
+        class _Echo(Policy):
+            def act(self, obs: Any) -> np.ndarray:
+                return np.tanh(np.asarray(obs["signal"], np.float32))
+
+        self.policy = _Echo(spec)
+
+
+def test_an_observation_the_policy_cannot_act_on_for_its_nan_is_refused_and_the_gateway_goes_on(tmp_path):
+    """A NaN in an env's observation gave a NaN action, refused as the policy's fault
+    ("action contains NaN or Inf"); with an inference server, which refuses to answer such
+    an observation, the gateway asked again forever and the run stalled, saying nothing
+    (7 024 retries in 3.5 minutes, in its own log only). The observation is now refused,
+    naming the key and the env; other workers go on."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    hub = InProcessGateway(tmp_path, ctx)
+    hub.gateway.source = InProcessSource(EchoPolicy(hub.spec).policy)
+    try:
+        hub.start()
+        bad, good = hub.dealer("workers"), hub.dealer("workers")
+        for uid, sock in (("bad", bad), ("good", good)):
+            send(
+                sock,
+                Message(MsgType.HELLO, seq=1, meta={"uid": uid, "num_envs": 2, "spec": hub.spec.to_dict()}),
+            )
+            wait_for(lambda sock=sock: sock.poll(0), what="WELCOME")
+            assert recv(sock).type is MsgType.WELCOME
+        nan = observation(2, 2)
+        signal = np.zeros((2, 2), np.float32)
+        signal[1, 0] = np.nan
+        nan.arrays["obs/signal"] = signal
+        nan.meta["uid"] = "bad"
+        send(bad, nan)
+        wait_for(lambda: bad.poll(0), what="the answer to the NaN observation")
+        refused = recv(bad)
+        assert refused.type is MsgType.ERROR and refused.meta["code"] == "bad_request", refused.meta
+        assert "the observation holds NaN or Inf ('signal' in env(s) [1])" in refused.meta["message"]
+        send(good, Message(MsgType.OBSERVATION, seq=2, meta={"uid": "good"}, arrays=observation(2, 2).arrays))
+        wait_for(lambda: good.poll(0), what="the other worker's action")
+        assert recv(good).type is MsgType.ACTION
+        assert hub._thread is not None and hub._thread.is_alive()
+    finally:
+        if hub._thread is not None and hub._thread.is_alive():
+            hub.stop()
+        hub.gateway.close()
+        ctx.destroy(linger=0)

@@ -71,6 +71,23 @@ log = logging.getLogger(__name__)
 TICK_S = 0.05
 
 
+NO_ACTION_LOG_S = 10.0
+"""A worker the policy keeps failing is logged at most this often (with the count)."""
+
+
+def non_finite(obs: dict[str, np.ndarray]) -> str | None:
+    """Which float observations hold NaN or Inf, and in which envs ("'depth' in env(s)
+    [3]"), or None."""
+    bad = []
+    for key, value in obs.items():
+        a = np.asarray(value)
+        if a.dtype.kind == "f" and a.size:
+            finite = np.isfinite(a.reshape(len(a), -1)).all(axis=1)
+            if not finite.all():
+                bad.append(f"{key!r} in env(s) {np.flatnonzero(~finite)[:8].tolist()}")
+    return "; ".join(bad) or None
+
+
 class Gateway:
     """The hub; construct with bound sockets' addresses, then :meth:`run`."""
 
@@ -432,14 +449,44 @@ class Gateway:
             if session is None:
                 continue
             if error is not None or actions is None or versions is None:
-                log.warning("no action for worker %s: %s; asking again", uid, error)
+                if self.refuse_non_finite(session, seq, str(error)):
+                    continue
+                session.no_action += 1
+                if session.no_action == 1 or time.monotonic() - session.no_action_logged > NO_ACTION_LOG_S:
+                    session.no_action_logged = time.monotonic()
+                    log.warning(
+                        "no action for worker %s (%d time(s) for this observation): %s; asking again",
+                        uid,
+                        session.no_action,
+                        error,
+                    )
                 session.submitted = False
                 continue
+            session.no_action = 0
             try:
                 self.send_action(session, seq, actions, versions)
             except ProtocolError as exc:
+                if self.refuse_non_finite(session, seq, str(exc)):
+                    continue
                 log.error("policy produced a bad action for worker %s: %s", uid, exc)
                 raise
+
+    def refuse_non_finite(self, session: WorkerSession, seq: int, error: str) -> bool:
+        """When the policy could not act on an observation holding NaN or Inf, refuse the
+        observation (its worker ends, saying why) rather than ask again forever: the same
+        observation gives the same answer. Whether it does is only looked at here, after a
+        failure, so a camera's NaN pixels cost nothing while the policy copes with them."""
+        bad = non_finite(session.pending_obs) if session.pending_obs is not None else None
+        if bad is None or session.awaiting != seq:
+            return False
+        why = (
+            f"the observation holds NaN or Inf ({bad}) and the policy cannot act on it ({error}): "
+            "the env, or a sensor, produced it"
+        )
+        log.error("worker %s: %s", session.uid, why)
+        send(self.workers_sock, error_message(ErrorCode.BAD_REQUEST.value, why, seq), route=[session.route])
+        session.awaiting, session.submitted = None, False
+        return True
 
     def drop_worker(self, session: WorkerSession, why: str) -> None:
         interrupted = self.recorder.interrupt(session.uid)

@@ -115,6 +115,10 @@ class WorkerSession:
     awaiting: int | None = None
     """Seq of the observation waiting for an action (None: none waiting)."""
     submitted: bool = False
+    no_action: int = 0
+    """Times in a row the policy gave no action for the observation awaiting one."""
+    no_action_logged: float = 0.0
+    """When that was last logged (monotonic s)."""
     last_seq: int = -1
     last_reply: Message | None = None
     client: bytes | None = None
