@@ -135,9 +135,12 @@ def user_module_missing(name: str, exc: ImportError) -> str:
     """One line for ``import_user_module(name)`` that failed with ``exc``: the module
     itself is nowhere to be found, or something it imports is missing."""
     if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+        top, package = exc.name, exc.name.split(".")[0]
+        what = f"module {name!r}" if top == name else f"package {top!r} (of {name!r})"
+        hint = INSTALL_HINTS.get(package, f"pip install {package}")
         return (
-            f"no module {name!r} among the installed packages or in {os.getcwd()} (the folder "
-            "loopgate was started in); start loopgate in the folder that holds it, or install it"
+            f"no {what} among the installed packages or in {os.getcwd()} (the folder loopgate was "
+            f"started in): start loopgate in the folder that holds it, or install it ({hint})"
         )
     return missing_package(exc)
 

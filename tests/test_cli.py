@@ -427,6 +427,59 @@ def test_up_in_a_project_folder_finds_its_env_and_is_not_hidden_by_its_files(tmp
     assert summary["lost_steps"] == 0, summary
 
 
+SLOW_STEP_ENV = """
+import time
+import gymnasium as gym
+import numpy as np
+
+
+class Slow(gym.Env):
+    metadata = {"render_fps": 50}
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float64)
+    action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    steps = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3), {}
+
+    def step(self, action):
+        Slow.steps += 1
+        if Slow.steps == 20:
+            time.sleep(9.0)  # a slow simulator step, or a robot that takes its time
+        return np.zeros(3), 0.0, False, False, {}
+
+
+gym.register("Slow-v0", entry_point=Slow, max_episode_steps=100)
+"""
+
+
+def test_an_env_step_longer_than_the_workers_timeout_keeps_its_episode(tmp_path):
+    """A step of 9 s where the gateway declares a silent worker gone after 4: the worker
+    said nothing meanwhile, so its episode was closed as interrupted and it registered
+    again. It now sends heartbeats while the step runs (``gateway.worker.busy``)."""
+    (tmp_path / "slowenv.py").write_text(SLOW_STEP_ENV)
+    (tmp_path / "slow.yaml").write_text(
+        "env: {backend: gymnasium, options: {id: 'slowenv:Slow-v0'}}\n"
+        "policy: {kind: random}\n"
+        "gateway: {worker_timeout_s: 4.0}\n"
+        "run: {max_env_steps: 50}\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "up", "slow.yaml", "--run-dir", "run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=time_left(),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    gateway_log = (tmp_path / "run" / "logs" / "gateway.log").read_text()
+    assert "silent for" not in gateway_log and "registering again" not in out.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["episodes"] == 1 and summary["completed_episodes"] == 0, summary  # one, cut by the budget
+    assert summary["stored_steps"] == summary["acked_steps"] >= 50, summary
+
+
 def test_an_env_module_nowhere_to_be_found_is_refused_saying_where_it_was_looked_for(tmp_path):
     (tmp_path / "thing.yaml").write_text("env: {backend: gymnasium, options: {id: 'myenvs:Thing-v0'}}\n")
     out = subprocess.run(

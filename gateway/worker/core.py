@@ -25,6 +25,7 @@ from gateway.protocol import ErrorCode, Limits, Message, MsgType, ProtocolError,
 from gateway.tap import ObservationTap
 from gateway.trajectory import episode_id
 from gateway.transport import CurveKeys, connect, make_socket
+from gateway.worker.busy import BusyBeat
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class EnvWorker:
         self.stop_event = threading.Event()
         self._last_beat = 0.0
         backend.keepalive = self._keepalive
+        self._busy = BusyBeat(heartbeat_s, self._busy_heartbeat)
         self.shared_memory = shared_memory
         """``gateway.shared_memory``: offer the gateway a shared-memory ring (:mod:`gateway.shm`)."""
         self.local_link = local_link
@@ -323,7 +325,11 @@ class EnvWorker:
         return Message(msg.type, seq=msg.seq, meta=msg.meta, arrays=arrays)
 
     def _reset(self, seed: int | None, options: dict[str, Any] | None) -> Message:
-        obs, _ = self.backend.reset(seed=seed, options=options)
+        self._busy.enter()
+        try:
+            obs, _ = self.backend.reset(seed=seed, options=options)
+        finally:
+            self._busy.leave()
         if self._last_obs_msg is not None:
             self._episode += 1
         self._step[:] = 0
@@ -339,7 +345,11 @@ class EnvWorker:
         received = time.time()
         t_action = steps.filled(n, float(action_msg.meta.get("t_action", received)))
         started = time.perf_counter()
-        obs, reward, terminated, truncated, info = self.backend.step(action)
+        self._busy.enter()
+        try:
+            obs, reward, terminated, truncated, info = self.backend.step(action)
+        finally:
+            self._busy.leave()
         step_us = (time.perf_counter() - started) * 1e6
         # Kept until the next action arrives: a restarted gateway needs it to record
         # the step this observation completes. References, not copies: the backend
@@ -380,11 +390,13 @@ class EnvWorker:
     def run(self, *, max_steps: int | None = None) -> None:
         """Serve until stopped, ``max_steps`` env steps, or a fatal refusal."""
         welcome = self._hello()
-        if self._last_obs_msg is None:
-            self._last_obs_msg = self._reset(self.seed, None)
+        self._busy.start()
         try:
+            if self._last_obs_msg is None:
+                self._last_obs_msg = self._reset(self.seed, None)
             self._serve(welcome, max_steps)
         finally:
+            self._busy.close()
             if self._sock is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     send(self._sock, Message(MsgType.BYE, meta={"uid": self.uid}), flags=zmq.NOBLOCK)
@@ -551,12 +563,18 @@ class EnvWorker:
         if sock is None:
             return not self.stop_event.is_set()
         self._bus_commands()
-        now = time.monotonic()
-        if now - self._last_beat >= self.heartbeat_s:
-            send(sock, Message(MsgType.HEARTBEAT, meta={"uid": self.uid, "busy": True}))
-            self._last_beat = now
-        while sock.poll(0):
-            msg = recv(sock, self.limits)
-            if msg.type is MsgType.COMMAND:
-                self._on_command(msg)
+        with self._busy.lock:  # its thread sends heartbeats on this socket too
+            self._busy_heartbeat()
+            while sock.poll(0):
+                msg = recv(sock, self.limits)
+                if msg.type is MsgType.COMMAND:
+                    self._on_command(msg)
         return not self.stop_event.is_set()
+
+    def _busy_heartbeat(self) -> None:
+        """A heartbeat saying the backend is busy, at most one per ``heartbeat_s``; with
+        :attr:`_busy`'s lock held (:mod:`gateway.worker.busy`)."""
+        now = time.monotonic()
+        if self._sock is not None and now - self._last_beat >= self.heartbeat_s:
+            send(self._sock, Message(MsgType.HEARTBEAT, meta={"uid": self.uid, "busy": True}))
+            self._last_beat = now
