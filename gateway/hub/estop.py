@@ -182,19 +182,25 @@ class ControlLine:
                 return False
             self.state.estopped = False
             if self.latch is not None:
-                self.latch.unlink(missing_ok=True)
+                try:
+                    self.latch.unlink(missing_ok=True)
+                except OSError as exc:  # fails safe: the next start holds again
+                    log.error("could not lift the e-stop's latch %s: %s", self.latch, exc)
             return True
 
     def keep_engaged(self, reason: str) -> None:
         """Latch an engaged e-stop in the run folder (:mod:`gateway.latch`)."""
         if self.latch is None:
             return
-        try:
-            write_latch(self.latch, reason)
-        except OSError as exc:  # a full disk must not take the e-stop down with it
-            log.error(
-                "could not latch the e-stop in %s: %s (it holds while this gateway runs)", self.latch, exc
-            )
+        with self.lock:  # a release that came in meanwhile has removed it: leave it so
+            if not self.state.estopped:
+                return
+            try:
+                write_latch(self.latch, reason)
+            except OSError as exc:  # a full disk must not take the e-stop down with it
+                log.error(
+                    "could not latch the e-stop in %s: %s (it holds while this gateway runs)", self.latch, exc
+                )
 
     def restore(self) -> dict[str, Any] | None:
         """Engage the e-stop a previous gateway on this run folder left engaged; what it
