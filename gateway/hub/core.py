@@ -449,7 +449,8 @@ class Gateway:
             if session is None:
                 continue
             if error is not None or actions is None or versions is None:
-                if self.refuse_non_finite(session, seq, str(error)):
+                # A refusal (not a server that is down or late) of an observation with NaN.
+                if "[bad_request]" in str(error) and self.refuse_non_finite(session, seq, str(error)):
                     continue
                 session.no_action += 1
                 if session.no_action == 1 or time.monotonic() - session.no_action_logged > NO_ACTION_LOG_S:
