@@ -74,10 +74,17 @@ def _lifetimes(rows: list[dict[str, Any]], counters: tuple[str, ...]) -> list[li
 
 def _span(lifetimes: list[list[dict[str, Any]]], key: str) -> tuple[float, float]:
     """(change of ``key``, seconds) from the first to the last record that has it, summed
-    over the service's lifetimes (the time between them, a restart, counts in neither)."""
+    over the service's lifetimes (the time between them, a restart, counts in neither).
+    Each lifetime is taken from the last record before ``key`` first moved to the first
+    at its last value: the time a service waited for its peers to start, or idled after
+    the budget, is not part of its rate."""
     change = seconds = 0.0
     for rows in lifetimes:
         have = [r for r in rows if _number(r, key)]
+        while len(have) >= 2 and have[1][key] == have[0][key]:
+            have = have[1:]
+        while len(have) >= 2 and have[-2][key] == have[-1][key]:
+            have = have[:-1]
         if len(have) >= 2:
             change += float(have[-1][key] - have[0][key])
             seconds += float(have[-1]["t"] - have[0]["t"])
@@ -262,6 +269,10 @@ def plot(found: list[Stage], facts: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+SHORT_S = 3.0
+"""Collection spanning fewer seconds of metrics records than this is measured roughly."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loopgate report",
@@ -289,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     # Without steps there is no time to attribute: no stage limited anything.
     top = bottleneck(found) if collected else None
     model = predict(facts, found, workers=facts["workers"], num_envs=facts["num_envs"]) if collected else 0.0
+    if collected and facts["seconds"] < SHORT_S:
+        print(
+            f"collection spanned {facts['seconds']:.1f} s of metrics records (about one a second): "
+            "the rates below are rough, lower bounds"
+        )
     print(f"{'stage':32} {'throughput':>16} {'service p50':>12} {'busy':>6}  note")
     for s in found:
         busy = f"{100 * s.busy:5.0f}%" if s.busy is not None else "   n/a"

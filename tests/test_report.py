@@ -172,3 +172,23 @@ def test_a_run_that_collected_nothing_names_no_bottleneck(tmp_path):
     assert "no env steps were collected" in out.stdout and "bottleneck:" not in out.stdout
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["bottleneck"] is None and report["predicted_steps_per_s"] == 0.0
+
+
+def test_a_run_shorter_than_a_few_metrics_records_is_measured_while_it_collected(tmp_path):
+    """A ``collect_pd`` run of 300 steps (about a second) once read "no env steps were
+    collected": the gateway's first record came a second after it started, with every
+    step already counted. The gateway now writes one as it starts, and the span runs from
+    the last record before the steps moved to the first at their last value (the wait for
+    the workers, and the idle tail after the budget, left out); the report says the
+    figures are rough."""
+    hops = {"gateway": {"p50": 130.0}, "env_step": {"p50": 170.0}}
+    records = [
+        {"t": 100.0 + t, "service": "gateway", "uptime_s": t, "env_steps": n, "busy_s": b, "hops_us": hops}
+        for t, n, b in ((0.0, 0, 0.0), (1.0, 320, 0.019), (2.1, 320, 0.024), (2.3, 320, 0.026))
+    ]
+    write_run(tmp_path, records)
+    out = loopgate("report", str(tmp_path), "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stderr
+    assert "collection spanned 1.0 s of metrics records" in out.stdout and "rough" in out.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["steps_per_s"] == 320.0 and report["bottleneck"] == "gateway", report

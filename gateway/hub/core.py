@@ -596,6 +596,9 @@ class Gateway:
         last_tick = last_metrics = time.monotonic()
         self.control.line.start()
         log.info("gateway serving: %s", json.dumps(self.addresses))
+        # Where this process's counters start: `loopgate report` measures from it, so a run
+        # shorter than the metrics interval is not taken for one that collected nothing.
+        self.emit_metrics()
         while not self.state.stopping and not (stop is not None and stop.is_set()):
             events = local_link.poll(poller, int(TICK_S * 1000), links)
             turn = time.perf_counter()
