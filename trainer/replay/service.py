@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from gateway.locks import Locked, hold
+from gateway.locks import Locked, hold, wait_to_hold
 from gateway.metrics import MetricsWriter
 from gateway.protocol import (
     ErrorCode,
@@ -59,6 +59,9 @@ if TYPE_CHECKING:
     from gateway.config import ExperimentConfig
 
 log = logging.getLogger(__name__)
+
+LOCK_WAIT_S = 20.0
+"""How long a starting service waits for the replay folder held by one still stopping."""
 
 MAX_SAMPLE_TIMEOUT_S = 300.0
 
@@ -132,7 +135,8 @@ class ReplayService:
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
-        self._lock = lock_dir(run_dir / "replay")
+        # One still stopping (its loopgate up killed: it drains first) is waited for.
+        self._lock = wait_to_hold(run_dir / "replay" / "LOCK", "replay service", LOCK_WAIT_S, log.warning)
         self.metrics = metrics or MetricsWriter(None, "replay")
         self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self.buffer = ReplayBuffer(cfg, seed=seed)
