@@ -37,6 +37,14 @@ FOLLOW_INTERVAL_S = 1.0
 this long after the driver wrote its new address (well before it has started)."""
 
 
+def run_ended(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` has ended: ``loopgate up`` writes ``endpoints.json``
+    as it starts and ``summary.json`` as it ends, so a summary written after the last
+    start means no ``loopgate up`` serves it."""
+    endpoints, summary = run_dir / "endpoints.json", run_dir / "summary.json"
+    return summary.exists() and summary.stat().st_mtime >= endpoints.stat().st_mtime
+
+
 def read(path: str | Path) -> dict[str, Any]:
     """The endpoints in ``path``; ``{}`` if there is no such file."""
     try:

@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gateway.endpoints import lookup, run_ended
+from gateway.endpoints import read as read_endpoints
+
 log = logging.getLogger(__name__)
 
 LATCH_FILE = "estop.json"
@@ -49,12 +52,6 @@ def read_latch(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError) as exc:
         return {"reason": f"unreadable latch ({exc})"}
     return latched
-
-
-def _ended(run_dir: Path) -> bool:
-    """``loopgate up`` writes endpoints.json as it starts and summary.json as it ends."""
-    endpoints, summary = run_dir / "endpoints.json", run_dir / "summary.json"
-    return summary.exists() and summary.stat().st_mtime >= endpoints.stat().st_mtime
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (run_dir / "endpoints.json").exists():
         log.error("%s is not a run folder (no endpoints.json)", run_dir)
         return 2
-    if _ended(run_dir):
+    if run_ended(run_dir):
         if args.release:
             latch.unlink(missing_ok=True)
             log.info("the run in %s has ended; its e-stop is released for its next start", run_dir)
@@ -94,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from gateway.config import ConfigError, load_config
     from gateway.control_client import ControlClient
-    from gateway.endpoints import lookup
-    from gateway.endpoints import read as read_endpoints
     from gateway.protocol import RemoteError, Timeout
     from gateway.transport import CurveKeys
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import ConfigError, ExperimentConfig
+from gateway.endpoints import run_ended
 from gateway.registry import CONFIG_BLOCKS, PLANS, resolve
 
 log = logging.getLogger("loopgate.scale")
@@ -149,11 +150,9 @@ class NotServed(Exception):
 
 def request_scale(run_dir: Path, key: str, value: int, timeout_s: float) -> dict[str, Any]:
     """Hand a scale request to the run's ``loopgate up`` and wait for its outcome."""
-    endpoints, summary = run_dir / "endpoints.json", run_dir / "summary.json"
-    if not endpoints.exists():
+    if not (run_dir / "endpoints.json").exists():
         raise ConfigError(f"{run_dir} is not a run folder (no endpoints.json)")
-    # ``loopgate up`` writes endpoints.json as it starts and summary.json as it ends.
-    if summary.exists() and summary.stat().st_mtime >= endpoints.stat().st_mtime:
+    if run_ended(run_dir):
         raise NotServed(
             f"the run in {run_dir} has ended (its summary.json was written after its last start): "
             "no loopgate up serves it; `loopgate up CONFIG --run-dir RUN` continues it"
