@@ -310,6 +310,19 @@ class EnvSpec:
         return spaces.Box(a.low_array, a.high_array, shape=a.shape, dtype=np.dtype(a.dtype))
 
 
+def non_finite(obs: Obs) -> str | None:
+    """Which float observations hold NaN or Inf, and in which envs ("'depth' in env(s)
+    [3]"), or None."""
+    bad = []
+    for key, value in obs.items():
+        a = np.asarray(value)
+        if a.dtype.kind == "f" and a.size:
+            finite = np.isfinite(a.reshape(len(a), -1)).all(axis=1)
+            if not finite.all():
+                bad.append(f"{key!r} in env(s) {np.flatnonzero(~finite)[:8].tolist()}")
+    return "; ".join(bad) or None
+
+
 class EpisodeBackend(abc.ABC):
     """A batch of environments with Gymnasium semantics (see the module docstring)."""
 

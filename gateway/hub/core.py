@@ -37,7 +37,7 @@ import zmq
 from gateway import local_link, steps
 from gateway.config import GatewayConfig
 from gateway.endpoints import EndpointsFollower, follow_all
-from gateway.episode import EnvSpec
+from gateway.episode import EnvSpec, non_finite
 from gateway.evaluation import Evaluator, LagTracker
 from gateway.hub import durability
 from gateway.hub.accounting import account
@@ -73,19 +73,6 @@ TICK_S = 0.05
 
 NO_ACTION_LOG_S = 10.0
 """A worker the policy keeps failing is logged at most this often (with the count)."""
-
-
-def non_finite(obs: dict[str, np.ndarray]) -> str | None:
-    """Which float observations hold NaN or Inf, and in which envs ("'depth' in env(s)
-    [3]"), or None."""
-    bad = []
-    for key, value in obs.items():
-        a = np.asarray(value)
-        if a.dtype.kind == "f" and a.size:
-            finite = np.isfinite(a.reshape(len(a), -1)).all(axis=1)
-            if not finite.all():
-                bad.append(f"{key!r} in env(s) {np.flatnonzero(~finite)[:8].tolist()}")
-    return "; ".join(bad) or None
 
 
 class Gateway:
