@@ -75,6 +75,16 @@ def up_collect_pd(run: Path, *args: str, env: dict[str, str] | None = None) -> s
     )
 
 
+def interrupt_once_collected(proc: subprocess.Popen[str], run: Path, steps: int) -> str:
+    """Ctrl-C to ``loopgate up`` once its metrics count more than ``steps`` env steps; its output."""
+    return interrupt_when(
+        proc,
+        lambda: any(r.get("env_steps", 0) > steps for r in read_metrics(run / "metrics.jsonl")),
+        what=f"more than {steps} steps collected",
+        timeout=time_left(40),
+    )
+
+
 def test_up_restarts_a_crashed_worker_and_loses_nothing(tmp_path):
     run = tmp_path / "run"
     proc = up_collect_pd(run, "--max-env-steps", "6000", "--set", "env.workers=1", "--set", "env.num_envs=4")
@@ -197,12 +207,7 @@ def test_a_second_up_on_a_run_folder_in_use_is_refused_and_the_first_loses_nothi
             f"{run} is in use by pid {first.pid} (loopgate up): stop it first, or give this run another --run-dir"
         ) in second.stderr
         assert (run / "endpoints.json").read_text() == endpoints
-        out = interrupt_when(
-            first,
-            lambda: any(r.get("env_steps", 0) > 500 for r in read_metrics(run / "metrics.jsonl")),
-            what="the first run collecting",
-            timeout=time_left(40),
-        )
+        out = interrupt_once_collected(first, run, 500)
     finally:
         if first.poll() is None:
             first.kill()
@@ -235,12 +240,7 @@ def test_estop_from_the_command_line_holds_a_run_and_latches_an_ended_one(tmp_pa
         released = loopgate("estop", str(run), "--release", "--timeout", "10", timeout=60)
         assert released.returncode == 0 and json.loads(released.stdout)["estopped"] is False, released.stderr
         assert not (run / "estop.json").exists()
-        out = interrupt_when(
-            proc,
-            lambda: any(r.get("env_steps", 0) > 200 for r in read_metrics(run / "metrics.jsonl")),
-            what="collection after the release",
-            timeout=time_left(40),
-        )
+        out = interrupt_once_collected(proc, run, 200)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -84,9 +84,9 @@ def interrupted_with_nothing_lost(proc: subprocess.Popen[str], run: Path) -> tup
     return out, summary
 
 
-def reach_run(tmp_path: Path, run: Path, **blocks: Any) -> subprocess.Popen[str]:
+def reach_run(tmp_path: Path, run_dir: Path, **blocks: Any) -> subprocess.Popen[str]:
     """``loopgate up`` of one worker of four reach envs until it is stopped, with ``blocks``
-    (``policy``, ``inference``, ...) added to its config."""
+    (``policy``, ``inference``, ``run``, ...) added to its config."""
     cfg: dict[str, Any] = {
         "env": {"backend": "mujoco_reach", "workers": 1, "num_envs": 4, "seed": 0},
         "run": {"max_env_steps": None, "status_interval_s": 0.2},
@@ -94,7 +94,22 @@ def reach_run(tmp_path: Path, run: Path, **blocks: Any) -> subprocess.Popen[str]
     }
     path = tmp_path / "reach.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    return up(path, run)
+    return up(path, run_dir)
+
+
+def kill_gateway_after(run: Path, steps: int) -> None:
+    """``kill -9`` of the run's gateway once it has collected ``steps`` steps."""
+    control = gateway_control(run)
+    wait_for(
+        lambda: status_or_nothing(control).get("env_steps", 0) >= steps,
+        timeout=120,
+        interval=0.2,
+        what=f"{steps} steps collected",
+    )
+    control.close()
+    found = subprocess.run(["pgrep", "-f", f"gateway.hub.*{run}"], capture_output=True, text=True)
+    (gateway,) = [int(p) for p in found.stdout.split()]
+    os.kill(gateway, signal.SIGKILL)
 
 
 def gateway_control(run: Path) -> Any:
@@ -413,29 +428,9 @@ def test_a_gateway_out_of_restarts_is_not_waited_for_at_the_end(tmp_path):
     which then ends without waiting ``run.drain_timeout_s`` for a gateway that will not
     come back; what it had stored is counted, and its spool stays in the run folder."""
     run = tmp_path / "run"
-    path = tmp_path / "reach.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "env": {"backend": "mujoco_reach", "workers": 1, "num_envs": 4, "seed": 0},
-                "policy": {"kind": "random"},
-                "run": {"max_env_steps": None, "max_restarts": 0},
-            }
-        )
-    )
-    proc = up(path, run)
+    proc = reach_run(tmp_path, run, policy={"kind": "random"}, run={"max_env_steps": None, "max_restarts": 0})
     try:
-        control = gateway_control(run)
-        wait_for(
-            lambda: status_or_nothing(control).get("env_steps", 0) >= 200,
-            timeout=120,
-            interval=0.2,
-            what="200 steps collected",
-        )
-        control.close()
-        found = subprocess.run(["pgrep", "-f", f"gateway.hub.*{run}"], capture_output=True, text=True)
-        (gateway,) = [int(p) for p in found.stdout.split()]
-        os.kill(gateway, signal.SIGKILL)
+        kill_gateway_after(run, 200)
     except BaseException:
         proc.kill()
         raise
@@ -455,17 +450,7 @@ def test_ctrl_c_right_after_the_gateway_died_waits_for_its_restart_and_stores_ev
     run = tmp_path / "run"
     proc = reach_run(tmp_path, run, policy={"kind": "random"})
     try:
-        control = gateway_control(run)
-        wait_for(
-            lambda: status_or_nothing(control).get("env_steps", 0) >= 400,
-            timeout=120,
-            interval=0.2,
-            what="400 steps collected",
-        )
-        control.close()
-        found = subprocess.run(["pgrep", "-f", f"gateway.hub.*{run}"], capture_output=True, text=True)
-        (gateway,) = [int(p) for p in found.stdout.split()]
-        os.kill(gateway, signal.SIGKILL)
+        kill_gateway_after(run, 400)
         proc.send_signal(signal.SIGINT)
     except BaseException:
         proc.kill()
