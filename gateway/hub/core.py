@@ -4,8 +4,9 @@ One single-threaded event loop over ZeroMQ sockets, the control socket first in 
 turn and between worker messages (an e-stop never queues behind observations):
 
 - ``workers`` (ROUTER): env workers register (HELLO with their spec; a mismatch is
-  refused with ``spec_mismatch``), send OBSERVATION batches and get ACTIONs; workers on
-  this host reach it over unix sockets beside it (:mod:`gateway.local_link`);
+  refused with ``spec_mismatch``: :mod:`gateway.hub.registration`), send OBSERVATION
+  batches and get ACTIONs; workers on this host reach it over unix sockets beside it
+  (:mod:`gateway.local_link`);
 - ``clients`` (ROUTER): :mod:`gateway.client` envs attach to a worker and drive it
   (RESET / STEP) instead of the policy;
 - ``control`` (ROUTER): COMMANDs from the CLI, the supervisor and the trainer (status,
@@ -34,16 +35,16 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gateway import local_link, steps
+from gateway import local_link
 from gateway.config import GatewayConfig
 from gateway.endpoints import EndpointsFollower, follow_all
 from gateway.episode import EnvSpec, non_finite
 from gateway.evaluation import Evaluator, LagTracker
-from gateway.hub import durability
+from gateway.hub import durability, registration
 from gateway.hub.accounting import account
 from gateway.hub.clients import ClientRouter
 from gateway.hub.control import ControlDesk
-from gateway.hub.state import HOLD_MESSAGES, Collection, WorkerSession, accept_cuda, attach_ring
+from gateway.hub.state import HOLD_MESSAGES, Collection, WorkerSession
 from gateway.hub.status import status_of
 from gateway.hub.timing import StepTiming
 from gateway.local_link import WorkerSockets
@@ -58,12 +59,9 @@ from gateway.protocol import (
     error_message,
     recv_routed,
     send,
-    unpack,
 )
 from gateway.protocol.codec import FrameSocket
-from gateway.protocol.schemas import WORKER_OBSERVATION
 from gateway.recorder import Recorder
-from gateway.steps import StepInfo
 from gateway.transport import CurveKeys, bind, make_socket, readable
 
 log = logging.getLogger(__name__)
@@ -189,7 +187,7 @@ class Gateway:
         assert msg is not None
         try:
             if msg.type is MsgType.HELLO:
-                self.on_hello(route, msg)
+                registration.register(self, route, msg)
                 return
             uid = self.by_route.get(route)
             session = self.sessions.get(uid) if uid else None
@@ -211,83 +209,6 @@ class Gateway:
         except ProtocolError as exc:
             self.reply_error(self.workers_sock, route, exc, msg.seq)
 
-    def on_hello(self, route: bytes, msg: Message) -> None:
-        meta = msg.meta
-        uid, num_envs = meta.get("uid"), meta.get("num_envs")
-        if not isinstance(uid, str) or not uid or not isinstance(num_envs, int) or num_envs < 1:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, "HELLO needs meta uid (string) and num_envs (int >= 1)"
-            )
-        try:
-            spec = EnvSpec.from_dict(meta.get("spec") or {})
-        except ValueError as exc:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"HELLO carries an invalid spec: {exc}") from None
-        if self.spec is None:
-            self.spec = spec
-            self.evaluator.success_signal = bool(spec.metadata.get("success_signal", True))
-            log.info("experiment spec taken from the first worker: %s", spec.name)
-        problems = self.spec.mismatches(spec)
-        if problems:
-            raise ProtocolError(
-                ErrorCode.SPEC_MISMATCH,
-                f"worker {uid}'s env spec does not match the experiment's: {'; '.join(problems)}",
-            )
-        old = self.sessions.get(uid)
-        reset_required = any(e in self.recorder.closed for e in meta.get("episodes", []))
-        if old is not None:
-            self.by_route.pop(old.route, None)
-            session = old
-            session.route, session.last_seen = route, time.monotonic()
-            session.awaiting, session.submitted = None, False
-        else:
-            session = WorkerSession(uid=uid, route=route, num_envs=num_envs, last_seen=time.monotonic())
-            self.sessions[uid] = session
-        self.by_route[route] = uid
-        pid = meta.get("pid")
-        session.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
-        log.info(
-            "worker %s registered (%d envs%s)", uid, num_envs, ", resuming" if meta.get("resume") else ""
-        )
-        welcome = {
-            "uid": uid,
-            "heartbeat_s": self.config.heartbeat_s,
-            "reset_required": reset_required,
-            "estop_bus": self.control.line.bus_address,
-            "local_link": isinstance(self.workers_sock, WorkerSockets),
-        }
-        session.shm, ring = attach_ring(meta.get("shm"), self.config.shared_memory, uid)
-        if ring is not None:
-            welcome["shm"] = ring
-        takes = self.source is not None and self.source.takes_device_obs
-        session.cuda, cuda = accept_cuda(meta.get("cuda_ipc"), self.config.cuda_ipc, uid, takes, self.limits)
-        if cuda is not None:
-            welcome["cuda_ipc"] = cuda
-        send(self.workers_sock, Message(MsgType.WELCOME, seq=msg.seq, meta=welcome), route=[route])
-        if self.state.estopped:  # a robot joining during an e-stop must hold too
-            command = {
-                "cmd": "estop",
-                "engaged": True,
-                "reason": "engaged before this worker joined",
-                "epoch": self.state.estop_epoch,
-            }
-            send(self.workers_sock, Message(MsgType.COMMAND, meta=command), route=[route])
-
-    def _check_observation(
-        self, session: WorkerSession, msg: Message
-    ) -> tuple[dict[str, np.ndarray], StepInfo]:
-        assert self.spec is not None
-        n = session.num_envs
-        problems = WORKER_OBSERVATION.problems(msg)
-        obs = unpack("obs", msg.arrays)
-        problems += self.spec.check_observation(obs, n)
-        info = msg.arrays.get("step_info")
-        if info is None or info.dtype != np.float64 or info.shape != (n, steps.WIDTH):
-            got = "missing" if info is None else f"{info.dtype}{list(info.shape)}"
-            problems.append(f"'step_info' must be float64[{n}, {steps.WIDTH}], got {got}")
-        if problems or info is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "observation: " + "; ".join(problems))
-        return obs, StepInfo(info)
-
     def on_observation(self, session: WorkerSession, msg: Message) -> None:
         if session.unspooled:  # an earlier one waits for the disk: this one waits behind it
             session.unspooled.append(msg)
@@ -307,7 +228,8 @@ class Gateway:
             session.unspooled.append(msg)
             return
         t_received = time.time()
-        obs, info = self._check_observation(session, msg)
+        assert self.spec is not None  # set by the first HELLO
+        obs, info = registration.check_observation(self.spec, session, msg)
         session.device_obs = session.device_handle(msg)
         self.timing.observation(session, msg, info, t_received)
         if session.held:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gateway.hub.accounting import account
+from gateway.hub.registration import check_observation
 from gateway.protocol import ErrorCode, Message, ProtocolError
 from gateway.steps import StepInfo
 from gateway.trajectory import Transitions
@@ -139,7 +140,7 @@ def replay(gw: Any, session: WorkerSession, msg: Message) -> None:
     if not flush_unwritten(gw, session):
         session.unspooled.append(msg)
         return
-    _obs, info = gw._check_observation(session, msg)
+    _obs, info = check_observation(gw.spec, session, msg)
     rows = info.has_prev.nonzero()[0] if not gw.state.draining else np.empty(0, np.int64)
     if len(rows) and "prev/action" not in msg.arrays:
         raise ProtocolError(
