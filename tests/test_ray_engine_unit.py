@@ -93,7 +93,7 @@ def test_the_trainer_tries_its_world_sizes_largest_first():
 
 
 def test_a_rank_group_refuses_fallback_sizes_it_cannot_shrink_to():
-    from gateway.engines.ray_procs import RankGroup
+    from gateway.engines.ray_ranks import RankGroup
 
     with pytest.raises(ValueError, match=r"trainer: smaller world sizes must be in \[1, 1\], got \[2\]"):
         RankGroup("trainer", [{"CPU": 1}] * 2, "PACK", ["python"], {}, "/dev/null", smaller=[2])

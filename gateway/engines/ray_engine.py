@@ -214,7 +214,8 @@ class RayLauncher:
         they are planned; one that moves to a node of its own loopback IP is followed)."""
 
     def start(self, service: Any, log_path: Path, env: dict[str, str], niceness: int) -> Any:
-        from gateway.engines.ray_procs import RankGroup, RayProcess
+        from gateway.engines.ray_procs import RayProcess
+        from gateway.engines.ray_ranks import RankGroup
 
         env = {**forwarded_env(), **env}
         placement = self.cfg.run.placement_for(service.name)
