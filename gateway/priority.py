@@ -31,9 +31,11 @@ work beside them therefore runs at normal priority (:func:`leave_realtime`)::
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import resource
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -284,7 +286,10 @@ class RealtimeGuard:
                 now = (policy, os.sched_getparam(tid).sched_priority)
                 was = self.before.get(tid, (os.SCHED_OTHER, 0))
                 if now != was:
-                    os.sched_setscheduler(tid, was[0], os.sched_param(was[1]))
+                    if tid == threading.get_native_id():
+                        _set_own_scheduling(*was)
+                    else:
+                        os.sched_setscheduler(tid, was[0], os.sched_param(was[1]))
                     changed.append(now)
             except OSError:  # the thread ended meanwhile
                 continue
@@ -297,3 +302,18 @@ class RealtimeGuard:
             )
         self.restored += len(changed)
         return len(changed)
+
+
+def _set_own_scheduling(policy: int, priority: int) -> None:
+    """The calling thread's scheduling, set through the C library as well as the kernel.
+
+    A library that set it with ``pthread_setschedparam`` (SVT-AV1 does) leaves the C
+    library's copy of it in the thread's descriptor; ``os.sched_setscheduler`` changes the
+    kernel's only. ``pthread_getschedparam`` then still answers the library's policy, and
+    libzmq, which reads it in each I/O thread it starts and sets it again, would start
+    every later ZeroMQ context's threads at ``SCHED_FIFO`` 99."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    param = ctypes.c_int(priority)  # struct sched_param: one int
+    code = libc.pthread_setschedparam(ctypes.c_ulong(threading.get_ident()), policy, ctypes.byref(param))
+    if code:
+        raise OSError(code, os.strerror(code))

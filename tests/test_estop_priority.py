@@ -300,7 +300,7 @@ def test_the_av1_encoder_leaves_no_thread_at_real_time_priority(tmp_path, caplog
     from trainer.replay.export_video import VideoEncoder, encode
 
     caplog.set_level(logging.INFO, logger="gateway.priority")
-    assert realtime_threads(os.getpid()) == set()
+    assert realtime_threads(os.getpid()) == set(), threads_at_realtime()
     encoder = VideoEncoder(codec="libsvtav1", crf=30, preset=12)
     seen: list[list[tuple[str, int]]] = []
     encode(
@@ -318,3 +318,45 @@ def test_the_av1_encoder_leaves_no_thread_at_real_time_priority(tmp_path, caplog
         # build (2x2 frames, used before, are padded and encoded by PyAV 18.1.1's).
         encode(np.zeros((2, 8, 16_392, 3), np.uint8), tmp_path / "bad.mp4", fps=20, encoder=encoder)
     assert realtime_threads(os.getpid()) == set()
+
+
+@pytest.mark.skipif(
+    not may_use_realtime(99),
+    reason="this user may not use real-time scheduling: SVT-AV1 cannot take it either",
+)
+@pytest.mark.integration
+def test_threads_started_after_an_av1_export_run_at_normal_priority(tmp_path):
+    """SVT-AV1 sets the opening thread's scheduling through the C library, which keeps its
+    own copy of it; put back through the kernel alone, that copy still said ``SCHED_FIFO``
+    99, and libzmq, which reads it in each I/O thread it starts, ran every ZeroMQ context
+    made after the export (a script's :class:`gateway.client.GatewayEnv`) at 99, above the
+    gateway. A fresh process: one export, then a context; its threads and a Python
+    thread's are at normal priority."""
+    probe = (
+        "import json, os, threading, time\n"
+        "from pathlib import Path\n"
+        "import numpy as np, zmq\n"
+        "from trainer.replay.export_video import VideoEncoder, encode\n"
+        "encode(np.zeros((4, 16, 16, 3), np.uint8), Path(os.environ['OUT']), fps=20,\n"
+        "       encoder=VideoEncoder(codec='libsvtav1', crf=30, preset=12))\n"
+        "ctx = zmq.Context(); sock = ctx.socket(zmq.REQ)\n"
+        "deadline = time.monotonic() + 30\n"
+        "def names():\n"
+        "    return {t: Path(f'/proc/self/task/{t}/comm').read_text().strip() for t in os.listdir('/proc/self/task')}\n"
+        "while sum(n.startswith('ZMQbg') for n in names().values()) < 2 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "seen = {}\n"
+        "t = threading.Thread(target=lambda: seen.update(py=os.sched_getscheduler(0))); t.start(); t.join()\n"
+        "print(json.dumps({'py': seen['py'], **{n: os.sched_getscheduler(int(t)) for t, n in names().items() if n.startswith('ZMQbg')}}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OUT": str(tmp_path / "probe.mp4")},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    policies = json.loads(out.stdout.strip().splitlines()[-1])
+    assert policies == {"py": os.SCHED_OTHER, "ZMQbg/Reaper": os.SCHED_OTHER, "ZMQbg/IO/0": os.SCHED_OTHER}
