@@ -220,6 +220,30 @@ def test_a_budget_spent_during_the_untrained_round_publishes_only_after_it(tmp_p
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
 
 
+def test_a_budget_too_small_to_sample_from_is_reported_as_a_trainer_waiting_for_data(tmp_path):
+    """A user's first try with a small budget: 100 steps, where the table needs 500 before
+    it serves a batch. The trainer waits for data until collection is over and stops with
+    no update. Its last record said it waited 0 % of the time (the wait that ended in the
+    stop was never counted), and ``loopgate report`` named it the bottleneck, 100 % busy."""
+    run = tmp_path / "run"
+    path = config(tmp_path, eval_every=0, final_eval_episodes=0)
+    _, summary = finish(up(path, run, "--max-env-steps", "100"), run)
+    assert summary["lost_steps"] == 0
+    last = trainer_records(run, "updates_per_s")[-1]
+    assert last["updates"] == 0 and last["data_wait_frac"] == 1.0, last
+    report = subprocess.run(
+        [sys.executable, "-m", "gateway", "report", str(run)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=time_left(),
+    )
+    assert report.returncode == 0, report.stderr
+    trainer_row = next(line for line in report.stdout.splitlines() if line.startswith("trainer"))
+    assert "waits for data 100% of the time" in trainer_row and " 0%" in trainer_row, report.stdout
+    assert "bottleneck: trainer" not in report.stdout, report.stdout
+
+
 def test_an_inference_server_that_misses_publications_catches_up(tmp_path):
     run = tmp_path / "run"
     path = config(tmp_path, max_updates=160, eval_every=0, final_eval_episodes=0)

@@ -174,40 +174,48 @@ class Trainer:
         per_rank = self.tc.batch_size // self.world.size
         started = time.monotonic()
         warned, released = 0.0, False
-        while True:
-            self.follow_endpoints()
-            try:
-                # Short slices, so that a wait for data that will never come is noticed.
-                slice_s = self.peer_timeout_s(min(self.tc.sample_timeout_s, 5.0))
-                arrays = self.replay.sample(per_rank, tables=dict(self.tc.tables), timeout_s=slice_s)
-                break
-            except (SampleTimeout, ReplayUnavailable) as exc:
-                if time.monotonic() - warned >= 30.0:
-                    log.info("waiting for replay data (%.0f s so far): %s", time.monotonic() - started, exc)
-                    warned = time.monotonic()
-                if self.stop_requested or self.collection_over():
-                    if not released:
-                        # No more steps will come, or none are waited for: the ratio must not
-                        # hold back what is there. A rank that stopped here alone would leave
-                        # the others in the update's collectives; with the tables released,
-                        # every rank samples on to the next stop check they take together.
-                        answered = self.release_replay(any_rank=True)
-                        released = True
-                        if answered or not self.signalled:
-                            continue
-                    if self.signalled and isinstance(exc, ReplayUnavailable) and self._last_batch:
-                        # The replay service is gone (the whole run is stopping), while other
-                        # ranks may hold a batch and be inside the update's collectives: this
-                        # rank repeats its last batch until the stop check they take together.
-                        log.info("the replay service is gone; repeating the last batch until the ranks stop")
-                        self._replay_gone = self._last_batch
-                        return self._replay_gone
-                    # Every rank sees the same tables, too small to sample, and stops here.
-                    self.request_stop(
-                        f"the run's env step budget is spent and the replay tables cannot serve a batch ({exc})"
-                    )
-                    raise
-        self.c.wait_s += time.monotonic() - started
+        try:
+            while True:
+                self.follow_endpoints()
+                try:
+                    # Short slices, so that a wait for data that will never come is noticed.
+                    slice_s = self.peer_timeout_s(min(self.tc.sample_timeout_s, 5.0))
+                    arrays = self.replay.sample(per_rank, tables=dict(self.tc.tables), timeout_s=slice_s)
+                    break
+                except (SampleTimeout, ReplayUnavailable) as exc:
+                    if time.monotonic() - warned >= 30.0:
+                        log.info(
+                            "waiting for replay data (%.0f s so far): %s", time.monotonic() - started, exc
+                        )
+                        warned = time.monotonic()
+                    if self.stop_requested or self.collection_over():
+                        if not released:
+                            # No more steps will come, or none are waited for: the ratio must not
+                            # hold back what is there. A rank that stopped here alone would leave
+                            # the others in the update's collectives; with the tables released,
+                            # every rank samples on to the next stop check they take together.
+                            answered = self.release_replay(any_rank=True)
+                            released = True
+                            if answered or not self.signalled:
+                                continue
+                        if self.signalled and isinstance(exc, ReplayUnavailable) and self._last_batch:
+                            # The replay service is gone (the whole run is stopping), while other
+                            # ranks may hold a batch and be inside the update's collectives: this
+                            # rank repeats its last batch until the stop check they take together.
+                            log.info(
+                                "the replay service is gone; repeating the last batch until the ranks stop"
+                            )
+                            self._replay_gone = self._last_batch
+                            return self._replay_gone
+                        # Every rank sees the same tables, too small to sample, and stops here.
+                        self.request_stop(
+                            f"the run's env step budget is spent and the replay tables cannot serve a batch ({exc})"
+                        )
+                        raise
+        finally:
+            # Every wait counts, the one that ends in a stop too: a trainer that never got a
+            # batch waited for data all of its time.
+            self.c.wait_s += time.monotonic() - started
         pin = self.world.device.type == "cuda"
         out = {}
         for k, v in arrays.items():
