@@ -226,7 +226,7 @@ def test_a_budget_too_small_to_sample_from_is_reported_as_a_trainer_waiting_for_
     no update. Its last record said it waited 0 % of the time (the wait that ended in the
     stop was never counted), and ``loopgate report`` named it the bottleneck, 100 % busy."""
     run = tmp_path / "run"
-    path = config(tmp_path, eval_every=0, final_eval_episodes=0)
+    path = config(tmp_path, nproc=1, eval_every=0, final_eval_episodes=0)
     _, summary = finish(up(path, run, "--max-env-steps", "100"), run)
     assert summary["lost_steps"] == 0
     last = trainer_records(run, "updates_per_s")[-1]
