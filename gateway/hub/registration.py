@@ -26,7 +26,7 @@ from gateway.protocol import ErrorCode, Message, MsgType, ProtocolError, send, u
 from gateway.protocol.schemas import WORKER_OBSERVATION
 from gateway.steps import StepInfo
 
-log = logging.getLogger("gateway.hub.core")
+log = logging.getLogger(__name__)
 
 
 # ``gw`` is the :class:`~gateway.hub.core.Gateway` (typed loosely: core imports this module).
