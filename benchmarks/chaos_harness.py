@@ -37,6 +37,7 @@ from typing import Any
 
 from benchmarks import chaos_faults as faults
 from benchmarks.chaos_check import shm_in_use
+from gateway import lifeline
 from gateway.protocol import RemoteError, Timeout
 from gateway.services import TORCHRUN_MODULES
 
@@ -50,14 +51,6 @@ NEEDS = {
     "link": "link-worker",
     "all": "supervisor",
 }
-
-
-def _sigterm_with_parent() -> None:
-    """In the child: SIGTERM when the harness dies, however it dies (Linux PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 
 
 def classify(argv: list[str]) -> str:
@@ -144,7 +137,7 @@ class Experiment:
             cwd=REPO,
             env=self.env(),
             start_new_session=True,
-            preexec_fn=_sigterm_with_parent,
+            preexec_fn=lifeline.die_with_parent,
         )
         out.close()
 
@@ -158,7 +151,7 @@ class Experiment:
             stderr=subprocess.STDOUT,
             cwd=REPO,
             env=self.env(),
-            preexec_fn=_sigterm_with_parent,
+            preexec_fn=lifeline.die_with_parent,
         )
         out.close()
         self.owned.append(proc)

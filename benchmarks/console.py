@@ -51,7 +51,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.procs import Processes
+from benchmarks.procs import Processes, tied
 from benchmarks.records import Record
 from benchmarks.sched_probe import percentile
 
@@ -256,6 +256,7 @@ def _measure(run: ConsoleRun, browser: Any, quick: bool, values: dict[str, list[
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            **tied(),
         )
         for _ in range(stops):
             timed = pages[0].evaluate(ESTOP)

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.procs import REPO
+from benchmarks.procs import REPO, tied
 from benchmarks.records import Record
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ def main_job(threshold: float, budget_s: float, tmp: Path) -> dict[str, float]:
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        **tied(),
     )
     result = {"time_s": budget_s, "env_steps": 0.0, "updates": 0.0, "reached": 0.0}
     offset = 0
@@ -251,6 +252,7 @@ def sac_single_command(threshold: float, budget_s: float, seed: int, tmp: Path) 
         capture_output=True,
         text=True,
         timeout=budget_s + 120,
+        **tied(),
     )
     (tmp / "sac-single.log").write_text(done.stderr)
     if done.returncode != 0:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.collect import SupervisedRun, interleave
-from benchmarks.procs import available_cpus, describe_cpus
+from benchmarks.procs import available_cpus, describe_cpus, tied
 from benchmarks.records import Record
 
 log = logging.getLogger(__name__)
@@ -73,11 +73,11 @@ class RawRun:
         self.proc = subprocess.Popen(
             [str(MJLAB_PYTHON), "-m", "benchmarks.mjlab_peer", "--num-envs", str(num_envs), "--task", TASK],
             cwd=REPO,
-            env=_mjlab_env(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            **tied(_mjlab_env()),
         )
         line = self._line(START_TIMEOUT_S, "the mjlab peer to build its env")
         if line != "ready":

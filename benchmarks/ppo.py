@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.procs import REPO
+from benchmarks.procs import REPO, tied
 from benchmarks.records import Record
 
 log = logging.getLogger(__name__)
@@ -171,8 +171,8 @@ def run_loopgate(rounds: int, target: float, tmp: Path) -> dict[str, float]:
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=env_vars(),
             start_new_session=True,
+            **tied(env_vars()),
         )
         try:
             proc.wait(timeout=BUDGET_S)
@@ -226,8 +226,8 @@ def run_rsl_rl(rounds: int, target: float, seed: int) -> dict[str, float]:
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=env_vars(),
         timeout=BUDGET_S,
+        **tied(env_vars()),
     )
     if done.returncode != 0:
         raise RuntimeError(f"rsl_rl run failed (exit {done.returncode}): {done.stderr[-2000:]}")

@@ -12,6 +12,10 @@ and a figure is only ever compared with a baseline started on the same sets::
 
 Children inherit the CPU set of the thread that starts them, so :meth:`Processes.spawn`
 pins the calling thread for the instant of the fork and restores it afterwards.
+
+Every process a benchmark starts ends when ``loopgate bench`` dies, however it dies
+(:func:`tied`): a benchmark killed outright must not leave gateways, workers and clients
+spinning on the machine's cores.
 """
 
 from __future__ import annotations
@@ -25,10 +29,24 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+from gateway import lifeline
 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def tied(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``subprocess.Popen`` arguments for a child that ends with this process: the kernel's
+    SIGTERM when this process dies (``PR_SET_PDEATHSIG``; loopgate's own services then
+    stop gracefully), and ``LOOPGATE_LIFELINE`` in its environment (``env``, default this
+    process's), so that a loopgate service arms its lifeline and its children go with it."""
+    return {
+        "preexec_fn": lifeline.die_with_parent,
+        "env": {**(os.environ if env is None else env), **lifeline.child_env()},
+    }
 
 
 def code_version(root: Path = REPO) -> str:
@@ -105,9 +123,9 @@ class Processes:
                 list(argv),
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                 cwd=REPO,
                 start_new_session=True,  # its own group: stop() reaches its children too
+                **tied({**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}),
             )
         self.procs[name] = proc
         log.debug("started %s (pid %d) on cpus %s", name, proc.pid, cpus)

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.procs import REPO, pinned, split_placement
+from benchmarks.procs import REPO, pinned, split_placement, tied
 from benchmarks.records import Record
 
 log = logging.getLogger(__name__)
@@ -252,7 +252,7 @@ class ServiceRun:
         self.log_path = tmp / f"{name}.log"
         argv = [sys.executable, "-m", "trainer.replay", "--config", str(config), "--run-dir", str(run_dir)]
         with open(self.log_path, "wb") as out, pinned(cpus):
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, **tied())
         path = run_dir / "endpoints.json"
 
         def up() -> bool:

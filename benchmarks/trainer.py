@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from benchmarks.procs import REPO, Processes, split_placement
+from benchmarks.procs import REPO, Processes, split_placement, tied
 from benchmarks.records import Record
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def update_rates(tmp: Path, updates: int, repeats: int) -> dict[str, list[float]
                     capture_output=True,
                     text=True,
                     timeout=600,
-                    env=clean_env(),
+                    **tied(clean_env()),
                 )
                 if run.returncode != 0:
                     raise RuntimeError(f"trainer worker np{n} failed: {run.stderr[-2000:]}")
@@ -231,6 +231,7 @@ def policy_lag(tmp: Path) -> float:
         capture_output=True,
         text=True,
         timeout=1200,
+        **tied(),
     )
     if out.returncode != 0:
         raise RuntimeError(f"loopgate up failed: {out.stderr[-2000:]}")

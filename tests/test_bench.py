@@ -7,6 +7,7 @@ rely on. It asserts nothing about speed: that is what the benchmark reports.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -243,3 +244,70 @@ def test_the_bench_names_the_checkout_and_commit_it_measures(tmp_path):
     assert code_version(repo) == f"{repo} at {head} with uncommitted changes"
     (tmp_path / "plain").mkdir()
     assert code_version(tmp_path / "plain") == f"{tmp_path / 'plain'} (not a git checkout)"
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every process below ``pid`` (children, theirs, ...), with its command line."""
+    parents: dict[int, int] = {}
+    commands: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    found: dict[int, str] = {}
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in found:
+                found[child] = commands.get(child, "")
+                frontier.append(child)
+    return found
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_a_bench_killed_outright_leaves_none_of_its_processes_running() -> None:
+    """``loopgate bench`` killed with SIGKILL (an OOM kill, a CI job cancelled) while it
+    measures the gateway: its gateway and worker kept spinning on the cores, unowned, until
+    someone found them. Each now ends with it: the kernel's SIGTERM, and the gateway's and
+    worker's own lifeline."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "bench", "--only", "gateway.rtt_p50_us.4KiB", "--repeats", "1"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    running: dict[int, str] = {}
+
+    def gateway_started() -> bool:
+        running.update(descendants(proc.pid))
+        return any("gateway.hub" in command for command in running.values())
+
+    def left() -> list[str]:
+        """What still runs of what the bench started (a pid reused since is not it)."""
+        alive = []
+        for pid, command in running.items():
+            with contextlib.suppress(OSError):
+                if (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()) == command:
+                    alive.append(f"{pid}: {command}")
+        return alive
+
+    try:
+        wait_for(gateway_started, timeout=time_left(margin=60), interval=0.1, what="the bench's gateway")
+        running.update(descendants(proc.pid))
+        proc.kill()
+        proc.wait(timeout=30)
+        wait_for(lambda: not left(), timeout=40, what="the bench's processes to end")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for still in left():  # only what is still the bench's: a reused pid is not
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(still.split(":")[0]), signal.SIGKILL)
