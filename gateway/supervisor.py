@@ -35,6 +35,7 @@ from typing import Any
 from gateway import lifeline
 from gateway.config import ConfigError, ExperimentConfig, load_config
 from gateway.control_client import ControlClient
+from gateway.endpoints import write as write_endpoints
 from gateway.engines import open_engine
 from gateway.engines.autoscale import Autoscaler
 from gateway.engines.scaling import serve_requests
@@ -213,6 +214,7 @@ class Supervisor:
                     log.error(
                         "%s refused to run; the run goes on without it: %s", s.name, self.reason(s.name)
                     )
+                    self.unlist(s.name)
             elif s.restart and proc.restarts < self.cfg.run.max_restarts:
                 proc.restarts += 1
                 proc.state = "backoff"
@@ -231,6 +233,15 @@ class Supervisor:
                     self.failed = (
                         f"{s.name} exited with {code} after {proc.restarts} restart(s): {self.tail(s.name)}"
                     )
+
+    def unlist(self, name: str) -> None:
+        """Take a service that will not run out of ``endpoints.json``: its planned address
+        may be another program's (the console's port in use), which a script reading the
+        file would otherwise take for the run's."""
+        listed = self.run.endpoints.pop(name, None) is not None
+        listed |= self.run.endpoints.get("metrics", {}).pop(name, None) is not None
+        if listed:
+            write_endpoints(self.run.run_dir / "endpoints.json", self.run.endpoints)
 
     def given_up(self, name: str) -> bool:
         """Whether service ``name`` failed for good here: it will not be started again."""

@@ -142,7 +142,8 @@ def test_a_console_port_in_use_is_said_and_the_run_goes_on_without_the_console(t
     http://127.0.0.1:PORT" (the other program's address), failed inside uvicorn with a
     line the supervisor did not recognise ("no error in logs/console.log"), and was
     started again five times. It now binds the port before anything else, says whose
-    fault it is, exits with 2 and is not started again; the experiment goes on."""
+    fault it is, exits with 2 and is not started again; the experiment goes on, and
+    ``endpoints.json`` no longer gives the port as the run's console."""
     import socket
 
     taken = socket.socket()
@@ -187,6 +188,9 @@ def test_a_console_port_in_use_is_said_and_the_run_goes_on_without_the_console(t
     ) in out
     assert "restart 1/" not in out
     assert "gateway.console: console at http" not in (run / "logs" / "console.log").read_text()
+    # endpoints.json no longer names the other program's address as the run's console.
+    endpoints = json.loads((run / "endpoints.json").read_text())
+    assert "console" not in endpoints and "console" not in endpoints.get("metrics", {}), endpoints
     summary = json.loads((run / "summary.json").read_text())
     assert summary["outcome"] == "interrupted" and summary["stored_steps"] == summary["acked_steps"] > 0
 
