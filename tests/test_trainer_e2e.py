@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.endpoints import lookup
+from gateway.endpoints import read as read_endpoints
 from gateway.metrics import read_metrics
 from tests.conftest import REPO, time_left, wait_for
 
@@ -205,18 +207,57 @@ def test_a_budget_spent_during_the_untrained_round_publishes_only_after_it(tmp_p
     no episode of it acts with the trained weights (the learning curve's first point stays
     the untrained policy's), and the round is recorded with the updates done.
 
-    The round's episodes are 1 000 steps long: with 400, a loaded machine (the trainer is
-    niced, collection is not) once gave the round's end and the tenth update together, so
-    that the trainer had nothing left to wait for."""
+    The order is made, not hoped for: once the round runs and the table holds enough to
+    train on, the test pauses collection (which holds the round too) until the trainer
+    says it waits for the round. Left to the machine, a trainer starved of CPU (it is
+    niced, collection is not) let a 1 000-step round end before its tenth update, with
+    another test beside it; with 400-step rounds once alone."""
+    from gateway.control_client import ControlClient
+
     run = tmp_path / "run"
     path = untrained_round_run(tmp_path, 1000, max_updates=10)
-    _, summary = finish(up(path, run), run)
+    proc = up(path, run)
+    control: ControlClient | None = None
+    try:
+
+        def address() -> str | None:
+            try:
+                return lookup(read_endpoints(run / "endpoints.json"), "gateway", "control")
+            except ValueError:  # being written
+                return None
+
+        control = ControlClient(wait_for(address, timeout=60, what="endpoints.json"))
+        started: list[int] = []
+
+        def round_under_way() -> bool:
+            """The round runs and about 100 steps of each env were taken since it began
+            (the round needs at least 1 000): the table has what ten updates sample."""
+            status = control.request("status", timeout_s=5.0)
+            if not status["eval"]["running"]:
+                return False
+            started[:1] = started[:1] or [int(status["env_steps"])]
+            return int(status["env_steps"]) - started[0] >= 800
+
+        wait_for(round_under_way, timeout=time_left(margin=90), interval=0.02, what="the untrained round")
+        control.request("pause", timeout_s=5.0)
+        waiting = "waiting for the untrained policy's evaluation round to end"
+        wait_for(
+            lambda: waiting in (run / "logs" / "trainer.log").read_text(),
+            timeout=time_left(margin=60),
+            what="the trainer to wait for the round",
+        )
+        control.request("resume", timeout_s=5.0)
+    except BaseException:
+        proc.kill()
+        raise
+    finally:
+        if control is not None:
+            control.close()
+    _, summary = finish(proc, run)
     rounds = trainer_records(run, "eval")
     assert len(rounds) == 1 and rounds[0]["eval"]["policy_version"] <= 1, rounds
     assert rounds[0]["updates"] == 10, rounds
     assert summary["policy_version"] == 2  # the untrained version, then the last one
-    trainer_log = (run / "logs" / "trainer.log").read_text()
-    assert "waiting for the untrained policy's evaluation round to end" in trainer_log
     assert summary["lost_steps"] == 0 and summary["duplicate_steps"] == 0
 
 
