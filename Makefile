@@ -85,13 +85,12 @@ define run_pytest
 	if [ $$code -eq 5 ]; then echo "pytest collected no tests for: $(1)"; exit 1; fi; exit $$code
 endef
 
-# Whole experiments (e2e: trainers, clusters, chaos) run one at a time, as they take the
-# machine's cores; the other layers, mostly waits on processes and sockets, run on
-# TEST_WORKERS pytest workers (pytest-xdist) beside each other.
+# TEST_WORKERS pytest workers (pytest-xdist): whole experiments (e2e: trainers, clusters,
+# chaos) run one after another on one of them, first; the other layers, mostly waits on
+# processes and sockets, share the workers (tests/conftest.py groups them).
 TEST_WORKERS ?= 2
 test: lint typecheck
-	@$(call run_pytest,-m "not e2e" -n $(TEST_WORKERS) tests)
-	@$(call run_pytest,-m e2e tests)
+	@$(call run_pytest,-n $(TEST_WORKERS) --dist loadgroup tests)
 
 test-unit: install
 	@$(call run_pytest,-m unit tests)

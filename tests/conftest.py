@@ -33,6 +33,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _test_deadline[0] = time.monotonic() + float(limit) if limit else float("inf")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` (``make test``): whole experiments (e2e) form one group,
+    run one after another on one worker, first, while the other layers share the rest."""
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    e2e = [item for item in items if item.get_closest_marker("e2e")]
+    for item in e2e:
+        item.add_marker(pytest.mark.xdist_group("e2e"))
+    items[:] = e2e + [item for item in items if not item.get_closest_marker("e2e")]
+
+
 def time_left(margin: float = 20.0) -> float:
     """Seconds until pytest-timeout would stop this test, less ``margin`` for teardown:
     the deadline a test's own waits use, so that they fail first, with their message."""
@@ -40,8 +51,17 @@ def time_left(margin: float = 20.0) -> float:
 
 
 def wait_for(
-    predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05, what: str = "condition"
+    predicate: Callable[[], Any],
+    timeout: float | None = None,
+    interval: float = 0.05,
+    what: str = "condition",
 ) -> Any:
+    """``predicate()`` once it is true, polled every ``interval`` s; an ``AssertionError``
+    naming ``what`` after ``timeout`` s, by default the test's time left (:func:`time_left`):
+    on a machine busy with other work a wait takes what it takes, and still fails with its
+    own message before pytest-timeout stops the test."""
+    if timeout is None:
+        timeout = time_left()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
