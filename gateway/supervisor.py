@@ -370,7 +370,7 @@ def prepare_run(
         name: f"http://{host}:{free_port(host)}/metrics"
         for name in [s.name for s in services if s.metrics] + ["up"]
     }
-    (run_dir / "endpoints.json").write_text(json.dumps(run.endpoints, indent=2))
+    write_endpoints(run_dir / "endpoints.json", run.endpoints)
     return run, services, spec
 
 

@@ -219,14 +219,13 @@ def test_a_budget_spent_during_the_untrained_round_publishes_only_after_it(tmp_p
     proc = up(path, run)
     control: ControlClient | None = None
     try:
-
-        def address() -> str | None:
-            try:
-                return lookup(read_endpoints(run / "endpoints.json"), "gateway", "control")
-            except ValueError:  # being written
-                return None
-
-        control = ControlClient(wait_for(address, timeout=60, what="endpoints.json"))
+        control = ControlClient(
+            wait_for(
+                lambda: lookup(read_endpoints(run / "endpoints.json"), "gateway", "control"),
+                timeout=60,
+                what="endpoints.json",
+            )
+        )
         started: list[int] = []
 
         def round_under_way() -> bool:
